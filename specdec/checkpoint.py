@@ -1,0 +1,80 @@
+"""Drafter checkpoints in the published DFlash layout: ``config.json`` +
+``model.safetensors`` with the tensor names vLLM and SGLang load. Never executes code
+from the checkpoint; tensors load through safetensors only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.drafter import DFlashDrafter, DrafterConfig
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter that cannot run against the given target; the message names the field."""
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (no embedding, no LM head)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    bad = [k for k in tensors if "embed_tokens" in k or "lm_head" in k]
+    if bad:
+        raise ValueError(f"drafter must not carry embedding/LM head tensors: {bad}")
+    cfg = drafter.config.to_hf_dict()
+    cfg["dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return out
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 target=None) -> DFlashDrafter:
+    """Load a drafter directory (ours or a published one). With ``target``, check that it fits."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.exists() or not weights.exists():
+        raise FileNotFoundError(f"{path} is not a drafter directory (need config.json and model.safetensors)")
+    cfg = DrafterConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    state = load_file(str(weights), device="cpu")
+    state = {k.removeprefix("model."): v for k, v in state.items()
+             if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head"))}
+    drafter = DFlashDrafter(cfg)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DrafterMismatchError(f"{path}: tensors missing={sorted(missing)} unexpected={sorted(unexpected)}")
+    dtype = dtype or next(iter(state.values())).dtype
+    drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if target is not None:
+        check_compatible(cfg, target)
+    return drafter
+
+
+def check_compatible(cfg: DrafterConfig, target) -> None:
+    """Raise ``DrafterMismatchError`` naming the first field where drafter and target disagree."""
+    t = target.config
+    checks = [
+        ("hidden_size", cfg.hidden_size, t.hidden_size),
+        ("target_hidden_size", cfg.target_hidden_size, t.hidden_size),
+        ("vocab_size", cfg.vocab_size, t.vocab_size),
+    ]
+    for name, mine, theirs in checks:
+        if mine != theirs:
+            raise DrafterMismatchError(f"drafter {name}={mine} but target has {theirs}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DrafterMismatchError(
+            f"drafter target_layer_ids {cfg.target_layer_ids} out of range for a {target.num_layers}-layer target: {bad}")
+    if not 0 <= cfg.mask_token_id < t.vocab_size:
+        raise DrafterMismatchError(f"drafter mask_token_id={cfg.mask_token_id} outside target vocab {t.vocab_size}")
+    want = cfg.extra.get("target_identity")
+    if want and getattr(target, "identity", None) and want != target.identity:
+        raise DrafterMismatchError(
+            f"drafter was trained for target identity {want[:12]}.. but the target is {target.identity[:12]}.. "
+            f"(target_identity differs)")

@@ -1,0 +1,273 @@
+"""Target adapter: a frozen Hugging Face causal LM seen through the few operations
+speculative decoding needs (extend with a KV cache, capture chosen layers' hidden
+states, embed, LM head, chat template, stop tokens).
+
+The engine drives the model with explicit per-row positions and a 4D boolean mask, so a
+batch whose rows hold different numbers of committed tokens runs in one forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec import assets
+
+#: model_type values whose input embedding is multiplied by sqrt(hidden) inside the model.
+_SCALED_EMBEDDING = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Paper spacing: ``num_features`` layers uniformly from 1 to L-3 (rounded)."""
+    if num_features < 1:
+        raise ValueError("num_features must be >= 1")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ValueError(f"target has only {num_target_layers} layers; need at least 4 for the default spacing")
+    span = end - start
+    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+def choose_mask_token_id(tokenizer) -> int:
+    """A spare special token to use as DFlash's MASK: the tokenizer's own mask token if it
+    has one, else the last added special token that is not BOS/EOS/PAD/UNK and does not
+    appear in the chat template."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    candidates = [
+        int(i)
+        for i, tok in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+        if int(i) not in reserved and str(tok) not in template
+    ]
+    if candidates:
+        return candidates[-1]
+    if tokenizer.unk_token_id is not None:
+        return int(tokenizer.unk_token_id)
+    raise ValueError("tokenizer has no spare special token for MASK; set mask_token_id in the drafter config")
+
+
+def weights_fingerprint(state_dict: dict[str, torch.Tensor], config_dict: dict) -> str:
+    """A stable identity for a model's weights: sha256 over the config's architecture
+    fields and every tensor's name, shape, dtype and a strided sample of its values.
+    Cheap even for 8B targets and changes whenever any tensor changes materially."""
+    h = hashlib.sha256()
+    keep = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+            "num_attention_heads", "num_key_value_heads")
+    h.update(json.dumps({k: config_dict.get(k) for k in keep}, sort_keys=True).encode())
+    for name in sorted(state_dict):
+        t = state_dict[name].detach()
+        flat = t.reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step][:4096].to(torch.float32).cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # (B, T, H) final-normed last hidden state
+    features: torch.Tensor | None  # (B, T, n_layers * H) captured layer outputs, concatenated
+
+
+class Target(nn.Module):
+    """A frozen causal LM. ``model`` is any ``AutoModelForCausalLM`` whose decoder layers
+    live in ``model.model.layers`` (Llama, Mistral, Qwen2/3, Gemma families)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, model_id: str = "", identity: str | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.model_id = model_id
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.base = base
+        self.layers = base.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 20) or (1 << 20))
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        mt = getattr(self.config, "model_type", "")
+        scaled_inside = type(self.embed_tokens).__name__.endswith("ScaledWordEmbedding")
+        self.embed_scale = math.sqrt(self.hidden_size) if (mt in _SCALED_EMBEDDING and not scaled_inside) else 1.0
+        self.logit_softcap = getattr(self.config, "final_logit_softcapping", None)
+        self._identity = identity
+        self._capture: dict[int, torch.Tensor] | None = None
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._make_hook(i))
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def identity(self) -> str:
+        """Weights fingerprint (see ``weights_fingerprint``), computed once."""
+        if self._identity is None:
+            self._identity = weights_fingerprint(self.model.state_dict(), self.config.to_dict())
+        return self._identity
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ hooks
+    def _make_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            if self._capture is not None and idx in self._capture:
+                self._capture[idx] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # ------------------------------------------------------------------ compute
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding (scaled the way the target scales it)."""
+        e = self.embed_tokens(ids)
+        return e * self.embed_scale if self.embed_scale != 1.0 else e
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head (with the family's final soft-capping, if any)."""
+        out = self.lm_head(hidden)
+        if self.logit_softcap:
+            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
+        return out
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache=None,
+        attn_mask: torch.Tensor | None = None,
+        layer_ids: list[int] | None = None,
+    ) -> TargetOutput:
+        """Run the decoder over ``input_ids`` (B, T) at ``position_ids`` (B, T).
+
+        ``attn_mask``: (B, 1, T, S) boolean, True where a query may attend a cache slot
+        (S = slots already in ``cache`` + T). None means plain causal over a fresh cache.
+        ``layer_ids``: layers whose outputs are returned concatenated in ``features``.
+        """
+        self._capture = dict.fromkeys(layer_ids) if layer_ids else None
+        try:
+            out = self.base(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attn_mask,
+                cache=cache,
+                use_cache=cache is not None,
+            )
+            feats = torch.cat([self._capture[i] for i in layer_ids], dim=-1) if layer_ids else None
+        finally:
+            self._capture = None
+        return TargetOutput(hidden=out.last_hidden_state, features=feats)
+
+    # ------------------------------------------------------------------ text
+    def stop_token_ids(self) -> set[int]:
+        """EOS ids from the generation config and tokenizer (chat end-of-turn included)."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if src is None:
+                continue
+            ids.update([src] if isinstance(src, int) else list(src))
+        return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None) -> list[int]:
+        """Token ids of a chat rendered with the target's template."""
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        if self.tokenizer.chat_template:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, **kwargs)
+            if isinstance(out, dict) or hasattr(out, "keys"):
+                out = out["input_ids"]
+            return list(out)
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + ("\nassistant: " if add_generation_prompt else "")
+        return self.tokenizer.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------- loading
+def _cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash-ray"))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """De-quantize a GGUF model once into a safetensors directory that loads in seconds.
+
+    transformers cannot ``save_pretrained`` a GGUF-loaded model directly, so the model is
+    rebuilt from its config and the de-quantized state dict is loaded into it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    src = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    cfg = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    for attr in ("quantization_config",):
+        if hasattr(cfg, attr):
+            delattr(cfg, attr)
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m.startswith("lm_head"))]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion: missing={missing} unexpected={unexpected}")
+    fresh.generation_config = src.generation_config
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_target_path(name_or_path: str | None) -> str:
+    """Map the embedded default (None, "smollm2", "smollm2-135m") to its converted cache;
+    return anything else (local dir, hub id, .gguf file) converted or unchanged."""
+    if name_or_path in (None, "", "smollm2", "smollm2-135m", "default"):
+        return str(convert_gguf(assets.smollm2_gguf(), _cache_root() / "smollm2-135m-instruct"))
+    p = Path(name_or_path)
+    if p.suffix == ".gguf" and p.is_file():
+        digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
+        return str(convert_gguf(p, _cache_root() / f"{p.stem}-{digest}"))
+    return str(name_or_path)
+
+
+def load_target(name_or_path: str | None = None, dtype: torch.dtype | str = torch.float32,
+                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> Target:
+    """Load a target from the embedded default, a local directory, a GGUF file or a hub id.
+
+    Weights load from safetensors only; remote code runs only if explicitly allowed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = resolve_target_path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+        attn_implementation="sdpa",
+    ).to(device)
+    return Target(model, tok, model_id=name_or_path or "smollm2-135m")

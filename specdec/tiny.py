@@ -1,0 +1,63 @@
+"""Tiny random-initialised targets (Llama, Qwen2/3, Mistral, Gemma families) built from
+configs, so the math can be tested in seconds and pipelines can run end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.target import Target
+
+FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "gemma")
+
+
+def tiny_config(family: str = "llama", vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6,
+                num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 512):
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+              num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+              max_position_embeddings=max_positions, head_dim=hidden_size // num_heads,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=family == "gemma",
+              initializer_range=0.2)
+    if family == "mistral":
+        kw["sliding_window"] = None
+    return AutoConfig.for_model(family, **kw)
+
+
+def tiny_target(family: str = "llama", dtype: torch.dtype = torch.float64, seed: int = 0, **cfg) -> Target:
+    """A random target with no tokenizer (ids only); float64 makes greedy ties impossible."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **cfg)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return Target(model, None, model_id=f"tiny-{family}")
+
+
+def save_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, num_layers: int = 6,
+                     hidden_size: int = 64) -> Path:
+    """Write a tiny HF model directory with the SmolLM2 tokenizer (vocab 49152), loadable
+    by ``load_target`` like any user's model; for pipeline and serving tests."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.target import resolve_target_path
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(resolve_target_path(None))
+    torch.manual_seed(seed)
+    config = tiny_config(family, vocab_size=len(tok), hidden_size=hidden_size, num_layers=num_layers,
+                         max_positions=2048)
+    config.eos_token_id = tok.eos_token_id
+    config.bos_token_id = tok.bos_token_id
+    config.pad_token_id = tok.pad_token_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

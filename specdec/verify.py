@@ -1,0 +1,64 @@
+"""Acceptance math for one verify pass, isolated so it can be tested exhaustively.
+
+A row proposes K draft tokens y_1..y_K; the target scored the block and gives K+1 laws
+p_0..p_K (p_j is the law of the token after block position j). Every row emits its
+accepted drafts followed by exactly one target token (correction or bonus), so a row
+emits num_accepted + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (B, K), target_argmax (B, K+1) -> (num_accepted (B,), tokens (B, K+1)).
+
+    Accept the longest prefix equal to the target's argmax; tokens[:, A] is the target's
+    token at the first mismatch (or the bonus token when all K survive).
+    """
+    match = (draft == target_argmax[:, :-1]).long()
+    num_accepted = match.cumprod(dim=1).sum(dim=1)
+    return num_accepted, target_argmax
+
+
+def speculative_accept(
+    draft: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling.
+
+    draft (B, K) proposed tokens; q (B, K, V) the proposal laws they were drawn from
+    (None = deterministic proposals, i.e. one-hot q); p (B, K+1, V) target laws.
+    Accept y_k with probability min(1, p(y_k)/q(y_k)); at the first rejection sample from
+    normalise(max(p - q, 0)); if all survive, sample the bonus from p_K.
+    Returns (num_accepted (B,), tokens (B, K+1)) with tokens[:, :A] = drafts and
+    tokens[:, A] = the target-side token.
+    """
+    B, K = draft.shape
+    p_draft = p[:, :K].gather(-1, draft[..., None]).squeeze(-1)
+    if q is None:
+        q_draft = torch.ones_like(p_draft)
+        q_full = torch.zeros_like(p[:, :K]).scatter_(-1, draft[..., None], 1.0)
+    else:
+        q_draft = q.gather(-1, draft[..., None]).squeeze(-1).to(p.dtype)
+        q_full = q.to(p.dtype)
+    u = torch.rand(B, K, generator=generator, dtype=p.dtype, device=p.device)
+    # P(u * q < p) = min(1, p/q) for u ~ U[0, 1); strict "<" never accepts p(y) = 0
+    accepted = (u * q_draft < p_draft).long()
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(B, device=p.device)
+    at = num_accepted.clamp(max=K - 1) if K > 0 else num_accepted
+    residual = (p[rows, at] - q_full[rows, at]).clamp(min=0) if K > 0 else p[:, 0]
+    mass = residual.sum(-1, keepdim=True)
+    # p == q leaves no residual mass; rejection then has probability 0, so p is the safe law
+    residual = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-300), p[rows, at] if K > 0 else p[:, 0])
+    final_law = torch.where((num_accepted == K)[:, None], p[:, K], residual)
+    final = torch.multinomial(final_law, 1, generator=generator).squeeze(-1)
+
+    tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
+    tokens[rows, num_accepted] = final
+    return num_accepted, tokens
