@@ -45,12 +45,12 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     state = load_file(str(weights), device="cpu")
     state = {k.removeprefix("model."): v for k, v in state.items()
              if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head"))}
-    drafter = DFlashDrafter(cfg)
+    stored = next(iter(state.values())).dtype
+    drafter = DFlashDrafter(cfg).to(stored)  # load at the stored precision, cast after
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{path}: tensors missing={sorted(missing)} unexpected={sorted(unexpected)}")
-    dtype = dtype or next(iter(state.values())).dtype
-    drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    drafter = drafter.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
     if target is not None:
         check_compatible(cfg, target)
     return drafter

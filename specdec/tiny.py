@@ -61,3 +61,20 @@ def save_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, 
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def random_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1,
+                   mask_token_id: int = 3, **kw):
+    """An untrained drafter for ``target`` with weights wide enough that its drafts are
+    peaky (near-uniform drafts would hide sampling bugs)."""
+    from specdec.drafter import DFlashDrafter, drafter_config_for_target
+
+    cfg = drafter_config_for_target(target, num_hidden_layers=layers, block_size=block_size,
+                                    mask_token_id=mask_token_id, **kw)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg).to(target.dtype).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return d

@@ -22,6 +22,21 @@ def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[tor
     return num_accepted, target_argmax
 
 
+def acceptance_prob(p_y: torch.Tensor, q_y: torch.Tensor) -> torch.Tensor:
+    """Probability of accepting a draft y: min(1, p(y) / q(y)) (q(y) > 0 since y ~ q)."""
+    return torch.clamp(p_y / q_y, max=1.0)
+
+
+def residual_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Law to sample from after a rejection: normalise(max(p - q, 0)) over the last dim.
+
+    When p == q there is no residual mass, but then rejection has probability 0; p is
+    returned so the result is always a valid law."""
+    r = (p - q).clamp(min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-12, r / mass.clamp(min=1e-300), p)
+
+
 def speculative_accept(
     draft: torch.Tensor,
     q: torch.Tensor | None,
@@ -38,26 +53,22 @@ def speculative_accept(
     tokens[:, A] = the target-side token.
     """
     B, K = draft.shape
-    p_draft = p[:, :K].gather(-1, draft[..., None]).squeeze(-1)
+    rows = torch.arange(B, device=p.device)
+    if K == 0:
+        return torch.zeros(B, dtype=torch.long, device=p.device), torch.multinomial(p[:, 0], 1, generator=generator)
     if q is None:
-        q_draft = torch.ones_like(p_draft)
-        q_full = torch.zeros_like(p[:, :K]).scatter_(-1, draft[..., None], 1.0)
-    else:
-        q_draft = q.gather(-1, draft[..., None]).squeeze(-1).to(p.dtype)
-        q_full = q.to(p.dtype)
+        q = torch.zeros_like(p[:, :K]).scatter_(-1, draft[..., None], 1.0)
+    q = q.to(p.dtype)
+    p_y = p[:, :K].gather(-1, draft[..., None]).squeeze(-1)
+    q_y = q.gather(-1, draft[..., None]).squeeze(-1)
     u = torch.rand(B, K, generator=generator, dtype=p.dtype, device=p.device)
-    # P(u * q < p) = min(1, p/q) for u ~ U[0, 1); strict "<" never accepts p(y) = 0
-    accepted = (u * q_draft < p_draft).long()
+    # u < min(1, p/q) has probability min(1, p/q) for u ~ U[0, 1); p(y) = 0 never passes
+    accepted = (u < acceptance_prob(p_y, q_y)).long()
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)
 
-    rows = torch.arange(B, device=p.device)
-    at = num_accepted.clamp(max=K - 1) if K > 0 else num_accepted
-    residual = (p[rows, at] - q_full[rows, at]).clamp(min=0) if K > 0 else p[:, 0]
-    mass = residual.sum(-1, keepdim=True)
-    # p == q leaves no residual mass; rejection then has probability 0, so p is the safe law
-    residual = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-300), p[rows, at] if K > 0 else p[:, 0])
-    final_law = torch.where((num_accepted == K)[:, None], p[:, K], residual)
-    final = torch.multinomial(final_law, 1, generator=generator).squeeze(-1)
+    at = num_accepted.clamp(max=K - 1)
+    law = torch.where((num_accepted == K)[:, None], p[:, K], residual_law(p[rows, at], q[rows, at]))
+    final = torch.multinomial(law, 1, generator=generator).squeeze(-1)
 
     tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
     tokens[rows, num_accepted] = final

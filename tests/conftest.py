@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random targets (float64, so greedy ties cannot flip) and the
+embedded SmolLM2 target."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and spinning threads on a busy 2-core
+# machine slow them by an order of magnitude.
+torch.set_num_threads(1)
+from specdec.tiny import tiny_target
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny(family: str, vocab_size: int = 128):
+    return tiny_target(family, vocab_size=vocab_size)
+
+
+@pytest.fixture
+def tiny():
+    """Factory: tiny(family="llama", vocab_size=128) -> cached Target."""
+    return _tiny
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from specdec.target import load_target
+
+    return load_target(None)
