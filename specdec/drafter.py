@@ -166,7 +166,11 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, torch.Tensor) or mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # a flex-attention BlockMask (training on GPU)
+            from torch.nn.attention.flex_attention import flex_attention
+            out = flex_attention(q, k, v, block_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

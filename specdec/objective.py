@@ -1,0 +1,149 @@
+"""The DFlash training objective: many blocks per sequence in ONE drafter forward.
+
+For each sequence, anchors are sampled at response positions; block j is
+``[x_a, MASK x (B-1)]`` at positions a..a+B-1 and predicts x_{a+1}..x_{a+B-1}. Block j
+sees the target features of positions strictly before its anchor (what inference has
+committed when x_a is the pending anchor) and its own block, bidirectionally; never
+another block. Loss = sum_k exp(-(k-1)/lambda) * CE at offset k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+#: the paper's decay per block size; other sizes interpolate as B/2.2 (close to these)
+PAPER_LAMBDA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_lambda(block_size: int) -> float:
+    return PAPER_LAMBDA.get(block_size, max(1.0, block_size / 2.2))
+
+
+def loss_weights(block_size: int, lam: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/lambda) for offsets k = 1..B-1."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / lam)
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # (Bsz, N) anchor positions; padded entries point at 0
+    valid: torch.Tensor  # (Bsz, N) bool: a real block
+    labels: torch.Tensor  # (Bsz, N, B-1) target token at offsets 1..B-1 (0 where none)
+    label_mask: torch.Tensor  # (Bsz, N, B-1) bool: offset is inside the response
+
+
+def sample_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                  num_anchors: int, generator: torch.Generator | None = None) -> Blocks:
+    """Sample up to ``num_anchors`` distinct anchors per sequence among positions a >= 1
+    whose next token is a response token (loss_mask[a+1] = 1)."""
+    Bsz, T = input_ids.shape
+    dev = input_ids.device
+    pos = torch.arange(T, device=dev)
+    nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
+    nxt[:, :-1] = loss_mask[:, 1:].bool()
+    eligible = nxt & (pos[None] >= 1) & (pos[None] < (lengths[:, None] - 1))
+    # random scores, ineligible last; top-N per row = a uniform sample without replacement
+    scores = torch.rand(Bsz, T, generator=generator, device=dev).masked_fill(~eligible, -1.0)
+    n = min(num_anchors, T)
+    top, idx = scores.topk(n, dim=1)
+    valid = top >= 0
+    anchors, order = torch.where(valid, idx, torch.full_like(idx, T)).sort(dim=1)
+    valid = valid.gather(1, order)
+    anchors = anchors.masked_fill(~valid, 0)
+    offs = torch.arange(1, block_size, device=dev)
+    lab_pos = anchors[..., None] + offs  # (Bsz, N, B-1)
+    inside = (lab_pos < lengths[:, None, None]) & valid[..., None]
+    lab_pos = lab_pos.clamp(max=T - 1)
+    labels = input_ids.gather(1, lab_pos.flatten(1)).view_as(lab_pos)
+    in_resp = loss_mask.gather(1, lab_pos.flatten(1)).view_as(lab_pos).bool()
+    return Blocks(anchors, valid, labels.masked_fill(~inside, 0), inside & in_resp)
+
+
+def block_mask_dense(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """(Bsz, 1, N*B, ctx_len + N*B) boolean: query of block j sees context slots < anchor_j
+    and the slots of block j; padded blocks see only themselves (their loss is masked)."""
+    Bsz, N = anchors.shape
+    dev = anchors.device
+    q_block = torch.arange(N * block_size, device=dev) // block_size  # (Q,)
+    a = anchors.gather(1, q_block[None].expand(Bsz, -1))  # (Bsz, Q)
+    ctx = torch.arange(ctx_len, device=dev)[None, None, :] < a[:, :, None]
+    ctx = ctx & valid.gather(1, q_block[None].expand(Bsz, -1))[:, :, None]
+    own = (q_block[:, None] == q_block[None, :])[None].expand(Bsz, -1, -1)
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int):
+    """The same mask as ``block_mask_dense`` as a flex-attention BlockMask (GPU path:
+    memory grows with the visible blocks, not with (N*B) x (T + N*B))."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    Bsz, N = anchors.shape
+    Q = N * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // block_size
+        in_ctx = (kv_idx < ctx_len) & (kv_idx < anchors[b, j]) & valid[b, j]
+        same_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == j)
+        return in_ctx | same_block
+
+    return create_block_mask(mask_mod, Bsz, None, Q, ctx_len + Q, device=anchors.device)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    acc: torch.Tensor  # (B-1,) accuracy at each offset (argmax == label)
+    tau: torch.Tensor  # scalar: simulated greedy accepted length 1 + E[leading matches]
+    n_blocks: int
+    n_tokens: int
+
+
+def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
+                input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
+                num_anchors: int, lam: float | None = None, generator: torch.Generator | None = None,
+                use_flex: bool = False) -> StepOutput:
+    """Weighted block-denoising loss for a padded batch.
+
+    input_ids/loss_mask (Bsz, T), features (Bsz, T, n*H) from the target's chosen layers,
+    lengths (Bsz,). ``embed``/``logits_fn`` are the target's frozen embedding and LM head.
+    """
+    cfg = drafter.config
+    Bk = cfg.block_size
+    lam = lam or default_lambda(Bk)
+    Bsz, T = input_ids.shape
+    dev = input_ids.device
+    blocks = sample_blocks(input_ids, loss_mask, lengths, Bk, num_anchors, generator)
+    N = blocks.anchors.shape[1]
+
+    block_ids = torch.full((Bsz, N, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = input_ids.gather(1, blocks.anchors)
+    block_pos = blocks.anchors[..., None] + torch.arange(Bk, device=dev)
+    ctx_pos = torch.arange(T, device=dev)[None].expand(Bsz, -1)
+    ctx_kv = drafter.context_kv(features, ctx_pos)
+    mask = (block_mask_flex if use_flex else block_mask_dense)(blocks.anchors, blocks.valid, T, Bk)
+    with torch.no_grad():
+        x = embed(block_ids.flatten(1))
+    hidden = drafter(x, block_pos.flatten(1), ctx_kv, mask).view(Bsz, N, Bk, -1)[:, :, 1:]
+
+    sel = blocks.label_mask  # only positions with a real response label cost anything
+    logits = logits_fn(hidden[sel])
+    labels = blocks.labels[sel]
+    w = loss_weights(Bk, lam, dev)[None, None].expand(Bsz, N, -1)[sel]
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
+
+    with torch.no_grad():
+        hit = torch.zeros_like(blocks.label_mask)
+        hit[sel] = logits.argmax(-1) == labels
+        acc = (hit & sel).sum((0, 1)).float() / sel.sum((0, 1)).clamp(min=1).float()
+        # leading matches per block; a missing label ends the run (it cannot be verified)
+        lead = (hit & sel).long().cumprod(-1).sum(-1)
+        n_blocks = int(blocks.valid.sum())
+        tau = 1 + lead[blocks.valid].float().mean() if n_blocks else torch.tensor(math.nan)
+    return StepOutput(loss, acc, tau, n_blocks, int(sel.sum()))
