@@ -42,3 +42,15 @@ bench: setup assets
 
 clean-cache:
 	rm -rf $${DFLASH_CACHE:-$$HOME/.cache/dflash-ray}
+
+# Local stack: Ray head + dashboard, MLflow server, optional S3 (see cluster/README.md)
+STACK_ARGS ?=
+.PHONY: stack-up stack-down stack-status
+stack-up: setup
+	$(BIN)/python -m cluster.stack up $(STACK_ARGS)
+
+stack-down:
+	$(BIN)/python -m cluster.stack down
+
+stack-status:
+	$(BIN)/python -m cluster.stack status

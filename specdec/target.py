@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,21 +191,28 @@ class Target(nn.Module):
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     enable_thinking: bool | None = None) -> list[int]:
         """Token ids of a chat rendered with the target's template."""
-        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        if self.tokenizer.chat_template:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, **kwargs)
-            if isinstance(out, dict) or hasattr(out, "keys"):
-                out = out["input_ids"]
-            return list(out)
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + ("\nassistant: " if add_generation_prompt else "")
-        return self.tokenizer.encode(text)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt, enable_thinking)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                enable_thinking: bool | None = None) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template (a plain "role: text"
+    rendering for tokenizers without one)."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if tokenizer.chat_template:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, **kwargs)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return tokenizer.encode(text + ("\nassistant: " if add_generation_prompt else ""))
 
 
 # ---------------------------------------------------------------------- loading
@@ -222,7 +231,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists():
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    # a private temp dir: concurrent converters (several actors on one node) never collide
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True, exist_ok=True)
     src = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -238,7 +248,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     fresh.generation_config = src.generation_config
     fresh.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

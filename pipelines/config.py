@@ -1,0 +1,252 @@
+"""Recipe configs: YAML files under ``configs/`` validated into dataclasses.
+
+Each pipeline stage owns one top-level section (``features:`` here; other stages add
+theirs) and validates only that section, so one recipe file can hold them all. Errors
+name the offending key by its full path, e.g.
+``features.extract.batch_size: expected int > 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe value that cannot be used; the message starts with the key's path."""
+
+
+# ---------------------------------------------------------------------------- checks
+# A check is (predicate, description); the description completes "expected <type> ...".
+POSITIVE = (lambda v: v > 0, "> 0")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
+PROBABILITY = (lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def option(default: Any = dataclasses.MISSING, *, check: tuple | None = None, factory: Any = None):
+    """A dataclass field with an optional value check."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+# ---------------------------------------------------------------------------- generic loader
+def parse_section(cls: type, data: Any, path: str):
+    """Build dataclass ``cls`` from ``data`` (a mapping), checking every value."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {_show(data)}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{path}.{key}: unknown key (known keys: {', '.join(known)})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in known.items():
+        sub = f"{path}.{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{sub}: required")
+            continue
+        value = _coerce(hints[name], data[name], sub)
+        check = f.metadata.get("check")
+        if check is not None and value is not None and not check[0](value):
+            raise ConfigError(f"{sub}: expected {_type_name(hints[name])} {check[1]}, got {_show(data[name])}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return parse_section(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(inner[0], value, path)
+        raise TypeError(f"unsupported config type {tp}")  # a bug in the schema, not the YAML
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {', '.join(map(repr, args))}, got {_show(value)}")
+        return value
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {_show(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected number, got {_show(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected string, got {_show(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp}")
+
+
+def _type_name(tp: Any) -> str:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(inner) == 1:
+        tp = inner[0]
+    return {int: "int", float: "number", str: "string"}.get(tp, str(tp))
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The recipe file as a mapping of sections."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a recipe mapping."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. features.prompts.limit=10")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+# ---------------------------------------------------------------------------- features section
+@dataclass
+class TargetSection:
+    model: str = "smollm2"  # embedded default, a local HF directory or a .gguf file
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # compute dtype
+    trust_remote_code: bool = False
+
+
+@dataclass
+class PromptsSection:
+    """Arguments of ``specdec.prompts.load_prompts`` plus a cap in tokens."""
+
+    source: str = "sharegpt"
+    split: Literal["all", "train", "holdout"] = "train"
+    holdout_fraction: float = option(0.05, check=FRACTION)
+    limit: int | None = option(None, check=NON_NEGATIVE)
+    multi_turn: bool = False
+    max_prompt_chars: int | None = option(8000, check=POSITIVE)
+    min_prompt_chars: int = option(1, check=NON_NEGATIVE)
+    dedup: bool = True
+    max_prompt_tokens: int = option(2048, check=POSITIVE)  # longer prompts are skipped (counted)
+
+
+@dataclass
+class VLLMSection:
+    engine_kwargs: dict = option(factory=dict)  # passed to vLLM (max_model_len, gpu_memory_utilization...)
+    accelerator_type: str | None = None
+    wave_shards: int = option(64, check=POSITIVE)  # shards per vLLM pass: bounds memory and lost work
+
+
+@dataclass
+class GenerationSection:
+    backend: Literal["hf", "vllm"] = "hf"
+    temperature: float = option(0.0, check=NON_NEGATIVE)
+    top_p: float = option(1.0, check=PROBABILITY)
+    top_k: int = option(0, check=NON_NEGATIVE)
+    max_new_tokens: int = option(256, check=POSITIVE)
+    enable_thinking: bool | None = None  # null: the template's default; ignored if it has no switch
+    seed: int = 0
+    batch_size: int = option(32, check=POSITIVE)  # prompts per batched generate call
+    actors: int = option(1, check=POSITIVE)
+    num_cpus: float = option(1.0, check=NON_NEGATIVE)
+    num_gpus: float = option(0.0, check=NON_NEGATIVE)
+    vllm: VLLMSection = option(factory=VLLMSection)
+
+
+@dataclass
+class ExtractSection:
+    batch_size: int = option(8, check=POSITIVE)  # sequences per teacher-forced pass
+    actors: int = option(1, check=POSITIVE)
+    num_cpus: float = option(1.0, check=NON_NEGATIVE)
+    num_gpus: float = option(0.0, check=NON_NEGATIVE)
+
+
+@dataclass
+class StorageSection:
+    dtype: Literal["float16", "bfloat16", "int8"] = "float16"
+    samples_per_shard: int = option(64, check=POSITIVE)
+    compression: Literal["none", "zstd"] = "none"  # for the features column
+    options: dict = option(factory=dict)  # fsspec options: endpoint_url, region, key, secret, ...
+
+
+@dataclass
+class FeaturesConfig:
+    output: str  # local directory or s3://bucket/prefix
+    target: TargetSection = option(factory=TargetSection)
+    layer_ids: list[int] | None = None  # null: the drafter default (num_layers spaced from 1 to L-3)
+    num_layers: int = option(5, check=POSITIVE)
+    prompts: PromptsSection = option(factory=PromptsSection)
+    generation: GenerationSection = option(factory=GenerationSection)
+    extract: ExtractSection = option(factory=ExtractSection)
+    storage: StorageSection = option(factory=StorageSection)
+
+    def __post_init__(self):
+        if self.layer_ids is not None:
+            if not self.layer_ids:
+                raise ConfigError("features.layer_ids: expected a non-empty list or null")
+            if any(i < 0 for i in self.layer_ids) or len(set(self.layer_ids)) != len(self.layer_ids):
+                raise ConfigError(f"features.layer_ids: expected distinct ints >= 0, got {self.layer_ids}")
+        if self.generation.backend == "vllm" and self.generation.num_gpus <= 0:
+            raise ConfigError("features.generation.num_gpus: the vllm backend needs a GPU per actor, got 0")
+
+    def content(self) -> dict:
+        """The settings that decide what a run writes. A run directory keeps these; a
+        restart with different ones would mix two datasets, so it is refused."""
+        d = dataclasses.asdict(self)
+        gen = {k: d["generation"][k] for k in ("backend", "temperature", "top_p", "top_k", "max_new_tokens",
+                                               "enable_thinking", "seed")}
+        return {
+            "target": d["target"],
+            "layer_ids": d["layer_ids"],
+            "num_layers": d["num_layers"],
+            "prompts": d["prompts"],
+            "generation": gen,
+            "storage": {k: d["storage"][k] for k in ("dtype", "samples_per_shard", "compression")},
+        }
+
+
+def load_features_config(path: str | Path, overrides: list[str] = ()) -> FeaturesConfig:
+    """Read the ``features:`` section of a recipe; other sections are left to their stages."""
+    data = apply_overrides(read_yaml(path), list(overrides))
+    if "features" not in data:
+        raise ConfigError(f"features: section missing in {path}")
+    return parse_section(FeaturesConfig, data["features"], "features")

@@ -1,0 +1,411 @@
+"""The Ray Data workers of the feature pipeline. The unit of work is a shard: one input
+row carries the prompts of one shard (``shard_id``, ``ids``, ``messages`` as JSON).
+
+* :class:`Regenerate` (hf backend): the target answers the shard's prompts with the
+  specdec engine (batched KV-cache decoding) and emits the shard's token sequences.
+* :func:`regenerate_vllm` (vllm backend): the same through Ray Data's vLLM processor.
+* :class:`ExtractFeatures`: one teacher-forced target pass per mini-batch captures the
+  selected layers; the shard is written as one Parquet file (a row group per mini-batch)
+  and then committed by a small JSON record. It returns one status row per shard.
+
+Features never leave the extracting actor except as bytes on their way to storage, so
+memory stays bounded by a couple of mini-batches whatever the run's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipelines import storage
+from pipelines.config import ConfigError
+from pipelines.feature_format import FeatureLayout, shard_schema, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+#: A shard after regeneration: the token sequences the features are computed over.
+SEQUENCES_SCHEMA = pa.schema([
+    ("shard_id", pa.string()),
+    ("ids", pa.list_(pa.string())),
+    ("input_ids", pa.list_(pa.list_(pa.int32()))),
+    ("prompt_tokens", pa.list_(pa.int32())),
+    ("finish_reason", pa.list_(pa.string())),
+    ("skipped_ids", pa.list_(pa.string())),
+    ("skipped_reasons", pa.list_(pa.string())),
+    ("gen_tokens", pa.int64()),
+    ("gen_seconds", pa.float64()),
+    ("gen_pid", pa.int64()),
+])
+
+#: What the driver sees per committed shard (the record without the id lists).
+STATUS_SCHEMA = pa.schema([
+    ("shard_id", pa.string()),
+    ("path", pa.string()),
+    ("rows", pa.int64()),
+    ("tokens", pa.int64()),
+    ("response_tokens", pa.int64()),
+    ("bytes", pa.int64()),
+    ("sha256", pa.string()),
+    ("skipped", pa.int64()),
+    ("gen_tokens", pa.int64()),
+    ("gen_seconds", pa.float64()),
+    ("extract_seconds", pa.float64()),
+])
+
+SKIP_PROMPT_TOO_LONG = "prompt_too_long"
+
+
+def progress_path(root: str, shard_id: str) -> str:
+    return storage.join(root, "progress", f"shard-{shard_id}.json")
+
+
+# ---------------------------------------------------------------------------- shared helpers
+def load_stage_target(target: dict, num_gpus: float):
+    """The target for a worker: on the GPU when the stage asked Ray for one."""
+    from specdec.target import load_target
+
+    device = "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+    return load_target(target["model"], dtype=target["dtype"], device=device,
+                       trust_remote_code=target["trust_remote_code"])
+
+
+def resolve_layer_ids(layer_ids: list[int] | None, num_features: int, num_target_layers: int) -> list[int]:
+    """The configured layers, or the drafter's default spacing; checked against the target."""
+    from specdec.target import default_target_layer_ids
+
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(num_target_layers, num_features)
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ConfigError(f"features.num_layers: {num_features} layers spaced over a {num_target_layers}-layer "
+                              f"target repeat layers ({layer_ids}); set features.layer_ids")
+    bad = [i for i in layer_ids if i >= num_target_layers]
+    if bad:
+        raise ConfigError(f"features.layer_ids: layers {bad} do not exist; the target has {num_target_layers} layers")
+    return list(layer_ids)
+
+
+class PromptEncoder:
+    """Chat messages -> prompt token ids, exactly as the target's template renders them."""
+
+    def __init__(self, tokenizer, enable_thinking: bool | None, max_prompt_tokens: int):
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        if enable_thinking is not None and "enable_thinking" not in template:
+            log.warning("the chat template has no thinking switch; features.generation.enable_thinking is ignored")
+            enable_thinking = None
+        self.tokenizer = tokenizer
+        self.enable_thinking = enable_thinking
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def __call__(self, messages: list[dict]) -> list[int] | None:
+        """Prompt ids, or None when the prompt exceeds the token cap."""
+        from specdec.target import encode_chat
+
+        # one rendering for data, training and serving, without loading the model
+        ids = encode_chat(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        return ids if len(ids) <= self.max_prompt_tokens else None
+
+
+def shard_seed(seed: int, shard_id: str) -> int:
+    """A per-shard sampling seed: a re-run shard draws the same responses."""
+    return int(hashlib.sha256(f"{seed}:{shard_id}".encode()).hexdigest()[:15], 16)
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+# ---------------------------------------------------------------------------- regeneration (hf)
+class Regenerate:
+    """Stateful Ray Data actor: the target writes the responses of one shard per row."""
+
+    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int):
+        from specdec.sampling import SamplingParams
+
+        self.target = load_stage_target(target, generation["num_gpus"])
+        self.encode = PromptEncoder(self.target.tokenizer, generation["enable_thinking"], max_prompt_tokens)
+        self.params = SamplingParams(generation["temperature"], generation["top_p"], generation["top_k"])
+        self.gen = generation
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.regenerate(row) for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+
+    def regenerate(self, shard: dict) -> dict:
+        from specdec.engine import Engine, Request
+
+        t0 = time.perf_counter()
+        out = _empty_sequences(shard["shard_id"])
+        todo = []
+        for sample_id, messages in zip(shard["ids"], shard["messages"]):
+            prompt = self.encode(json.loads(messages))
+            if prompt is None:
+                out["skipped_ids"].append(sample_id)
+                out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
+            else:
+                todo.append((sample_id, prompt))
+        todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: less padding
+        engine = Engine(self.target, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
+        for chunk in _chunks(todo, self.gen["batch_size"]):
+            requests = [Request(prompt, self.gen["max_new_tokens"], self.params) for _, prompt in chunk]
+            for (sample_id, prompt), result in zip(chunk, engine.generate(requests)):
+                _add_sequence(out, sample_id, prompt, result.tokens, result.finish_reason)
+        out["gen_seconds"] = time.perf_counter() - t0
+        return out
+
+
+def _empty_sequences(shard_id: str) -> dict:
+    return {"shard_id": shard_id, "ids": [], "input_ids": [], "prompt_tokens": [], "finish_reason": [],
+            "skipped_ids": [], "skipped_reasons": [], "gen_tokens": 0, "gen_seconds": 0.0, "gen_pid": os.getpid()}
+
+
+def _add_sequence(out: dict, sample_id: str, prompt: list[int], response: list[int], finish: str | None) -> None:
+    out["ids"].append(sample_id)
+    out["input_ids"].append(list(prompt) + list(response))
+    out["prompt_tokens"].append(len(prompt))
+    out["finish_reason"].append(finish or "length")
+    out["gen_tokens"] += len(response)
+
+
+# ---------------------------------------------------------------------------- regeneration (vllm)
+def vllm_processor_config(model_source: str, generation: dict, target_dtype: str, max_model_len: int):
+    """The Ray Data vLLM processor config: we tokenize ourselves (same template rendering
+    as the hf path) and read token ids back, so vLLM's own template/tokenize/detokenize
+    stages are off."""
+    from ray.data.llm import vLLMEngineProcessorConfig
+
+    vcfg = generation["vllm"]
+    engine_kwargs = {"max_model_len": max_model_len, "dtype": target_dtype, "enable_prefix_caching": True,
+                     **vcfg["engine_kwargs"]}
+    return vLLMEngineProcessorConfig(
+        model_source=model_source,
+        engine_kwargs=engine_kwargs,
+        batch_size=generation["batch_size"],
+        concurrency=generation["actors"],
+        accelerator_type=vcfg["accelerator_type"],
+        chat_template_stage=False,
+        tokenize_stage=False,
+        detokenize_stage=False,
+    )
+
+
+def vllm_sampling_params(generation: dict, shard_id: str) -> dict:
+    params = {"temperature": generation["temperature"], "top_p": generation["top_p"],
+              "max_tokens": generation["max_new_tokens"], "detokenize": False,
+              "seed": shard_seed(generation["seed"], shard_id) % (2**31)}
+    if generation["top_k"] > 0:
+        params["top_k"] = generation["top_k"]
+    return params
+
+
+class ExplodePrompts:
+    """Shard rows -> one row per prompt with its token ids (tokenizer only, no model)."""
+
+    def __init__(self, model_source: str, generation: dict, max_prompt_tokens: int, trust_remote_code: bool):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_source, trust_remote_code=trust_remote_code)
+        self.encode = PromptEncoder(tok, generation["enable_thinking"], max_prompt_tokens)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for shard in batch.to_pylist():
+            for sample_id, messages in zip(shard["ids"], shard["messages"]):
+                prompt = self.encode(json.loads(messages))
+                rows.append({"shard_id": shard["shard_id"], "id": sample_id, "tokenized_prompt": prompt or [],
+                             "skip_reason": None if prompt is not None else SKIP_PROMPT_TOO_LONG})
+        return pa.Table.from_pylist(rows, schema=_PROMPT_ROW_SCHEMA)
+
+
+_PROMPT_ROW_SCHEMA = pa.schema([("shard_id", pa.string()), ("id", pa.string()),
+                                ("tokenized_prompt", pa.list_(pa.int32())), ("skip_reason", pa.string())])
+
+
+def vllm_postprocess(row: dict, max_new_tokens: int) -> dict:
+    """A vLLM output row -> the fields :func:`assemble_shard` needs."""
+    tokens = [int(t) for t in row["generated_tokens"]]
+    # the engine stage consumes ``tokenized_prompt`` and reports what it ran as ``prompt_token_ids``
+    prompt = row.get("prompt_token_ids")
+    prompt = row["tokenized_prompt"] if prompt is None else prompt
+    return {"shard_id": row["shard_id"], "id": row["id"], "tokenized_prompt": [int(t) for t in prompt],
+            "generated_tokens": tokens, "skip_reason": None,
+            "finish_reason": "length" if len(tokens) >= max_new_tokens else "stop"}
+
+
+def assemble_shard(rows: pa.Table | dict, order: dict[str, list[str]] | None = None) -> pa.Table:
+    """``map_groups`` function: the prompt rows of one shard (generated or skipped) back
+    into one shard row, in the shard's planned order when ``order`` is given."""
+    table = rows if isinstance(rows, pa.Table) else pa.Table.from_pydict(rows)
+    items = table.to_pylist()
+    shard_id = items[0]["shard_id"]
+    if order is not None:
+        pos = {sid: i for i, sid in enumerate(order[shard_id])}
+        items.sort(key=lambda r: pos[r["id"]])
+    out = _empty_sequences(shard_id)
+    for r in items:
+        if r.get("skip_reason"):
+            out["skipped_ids"].append(r["id"])
+            out["skipped_reasons"].append(r["skip_reason"])
+        else:
+            _add_sequence(out, r["id"], r["tokenized_prompt"], r["generated_tokens"], r.get("finish_reason"))
+    return pa.Table.from_pylist([out], schema=SEQUENCES_SCHEMA)
+
+
+def regenerate_vllm(shards, model_source: str, generation: dict, target: dict, max_prompt_tokens: int,
+                    max_model_len: int, order: dict[str, list[str]]):
+    """Shard rows -> regenerated shard rows through Ray Data's vLLM processor.
+
+    Too-long prompts bypass the engine and rejoin their shard in the regrouping, so every
+    planned sample is accounted for in exactly one shard.
+    """
+    import ray.data
+    from ray.data.llm import build_processor
+
+    prompts = shards.map_batches(
+        ExplodePrompts, batch_size=1, batch_format="pyarrow",
+        fn_constructor_kwargs={"model_source": model_source, "generation": generation,
+                               "max_prompt_tokens": max_prompt_tokens,
+                               "trust_remote_code": target["trust_remote_code"]},
+        compute=ray.data.ActorPoolStrategy(size=1),
+    ).materialize()  # token ids of one wave only; read by both branches below
+    processor = build_processor(
+        vllm_processor_config(model_source, generation, target["dtype"], max_model_len),
+        preprocess=lambda row: {**row, "sampling_params": vllm_sampling_params(generation, row["shard_id"])},
+        postprocess=lambda row: vllm_postprocess(row, generation["max_new_tokens"]),
+    )
+    generated = processor(prompts.filter(lambda r: r["skip_reason"] is None))
+    skipped = prompts.filter(lambda r: r["skip_reason"] is not None).map(
+        lambda r: {**r, "generated_tokens": [], "finish_reason": None})
+    return generated.union(skipped).groupby("shard_id").map_groups(
+        assemble_shard, batch_format="pyarrow", fn_kwargs={"order": order})
+
+
+# ---------------------------------------------------------------------------- feature extraction
+class ExtractFeatures:
+    """Stateful Ray Data actor: teacher-forced features of one shard per row, written as
+    one Parquet file and committed by its progress record (see :class:`ShardWriter`)."""
+
+    def __init__(self, run_uri: str, storage_options: dict, target: dict, layer_ids: list[int] | None,
+                 num_layers: int, storage_cfg: dict, batch_size: int, num_gpus: float, run_key: str):
+        loaded = load_stage_target(target, num_gpus)
+        self.writer = ShardWriter(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers),
+                                  storage_cfg["dtype"], storage_cfg["compression"], batch_size, run_uri,
+                                  storage_options, run_key, model_id=target["model"])
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.writer.write_shard(row) for row in batch.to_pylist()], schema=STATUS_SCHEMA)
+
+
+class ShardWriter:
+    """Features of a shard's sequences -> one Parquet file (a row group per mini-batch)
+    -> the shard's progress record, its commit point."""
+
+    def __init__(self, target, layer_ids: list[int], dtype: str, compression: str, batch_size: int,
+                 run_uri: str, storage_options: dict, run_key: str, model_id: str, overlap_io: bool | None = None):
+        self.target = target
+        self.layer_ids = list(layer_ids)
+        self.layout = FeatureLayout(dtype, tuple(self.layer_ids), target.hidden_size)
+        self.compression = compression
+        self.batch_size = batch_size
+        self.fs, self.root = storage.filesystem(run_uri, storage_options)
+        self.run_key = run_key
+        self.model_id = model_id
+        self.tokenizer = tokenizer_fingerprint(target.tokenizer)
+        # On a GPU one background thread writes (and uploads) a mini-batch while the next
+        # one runs through the target; at most one is pending, so memory stays bounded. On
+        # a CPU the forward pass already uses every core and a second busy thread only
+        # stalls its thread team, so writes happen inline there.
+        overlap = target.device.type != "cpu" if overlap_io is None else overlap_io
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if overlap else None
+
+    # ------------------------------------------------------------------ compute
+    @torch.no_grad()
+    def features(self, sequences: list[list[int]]) -> torch.Tensor:
+        """(B, T_max, n_layers * hidden) features of right-padded sequences (causal, so
+        padding after a sequence never reaches it)."""
+        dev = self.target.device
+        lens = [len(s) for s in sequences]
+        ids = torch.zeros(len(sequences), max(lens), dtype=torch.long, device=dev)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=dev)
+        pos = torch.arange(ids.shape[1], device=dev)[None].expand_as(ids)
+        return self.target(ids, pos, None, None, self.layer_ids).features
+
+    # ------------------------------------------------------------------ one shard
+    def write_shard(self, shard: dict) -> dict:
+        t0 = time.perf_counter()
+        shard_id = shard["shard_id"]
+        rel = f"shards/shard-{shard_id}-{uuid.uuid4().hex[:8]}.parquet"  # per attempt: retries never clash
+        order = sorted(range(len(shard["ids"])), key=lambda i: len(shard["input_ids"][i]))
+        tokens = sum(len(s) for s in shard["input_ids"])
+        response = tokens - sum(shard["prompt_tokens"])
+        with storage.open_atomic(self.fs, storage.join(self.root, rel)) as sink:
+            writer = self._parquet_writer(sink)
+            pending = None
+            try:
+                for chunk in _chunks(order, self.batch_size):
+                    seqs = [shard["input_ids"][i] for i in chunk]
+                    # tensor work stays on this thread (a second thread would start its own
+                    # intra-op thread team); the I/O thread only builds, hashes and writes bytes
+                    encoded = self.layout.encode_batch(self.features(seqs), [len(q) for q in seqs])
+                    if pending is not None:
+                        pending.result()
+                    if self.io is None:
+                        self._write_rows(writer, shard, chunk, encoded)
+                    else:
+                        pending = self.io.submit(self._write_rows, writer, shard, chunk, encoded)
+            finally:
+                if pending is not None:
+                    pending.result()  # never abandon the sink while the I/O thread writes to it
+            writer.close()
+        record = {
+            "shard_id": shard_id, "path": rel, "rows": len(shard["ids"]), "tokens": tokens,
+            "response_tokens": response, "bytes": sink.nbytes, "sha256": sink.hexdigest,
+            "ids": list(shard["ids"]), "skipped": dict(zip(shard["skipped_ids"], shard["skipped_reasons"])),
+            "run_key": self.run_key,
+            "target": {"model_id": self.model_id, "identity": self.target.identity,
+                       "num_layers": self.target.num_layers, "hidden_size": self.target.hidden_size,
+                       "vocab_size": self.target.vocab_size, "dtype": str(self.target.dtype).replace("torch.", "")},
+            "tokenizer": self.tokenizer, "layout": self.layout.as_dict(),
+            "gen_tokens": shard["gen_tokens"], "gen_seconds": shard["gen_seconds"],
+            "extract_seconds": time.perf_counter() - t0,
+            "host": socket.gethostname(), "gen_pid": shard["gen_pid"], "extract_pid": os.getpid(),
+            "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        storage.write_json(self.fs, progress_path(self.root, shard_id), record)  # the shard's commit point
+        return {k: record[k] for k in STATUS_SCHEMA.names if k != "skipped"} | {"skipped": len(record["skipped"])}
+
+    def _parquet_writer(self, sink) -> pq.ParquetWriter:
+        schema = shard_schema(self.layout.as_dict())
+        codec = {"none": "NONE", "zstd": "ZSTD"}[self.compression]
+        # Ids and masks shrink a lot under zstd; features (near-random mantissas) barely
+        # do, so they are stored as is by default and cost exactly their nominal size.
+        compression = {name: "ZSTD" for name in schema.names} | {"features": codec, "scales": codec}
+        return pq.ParquetWriter(sink, schema, compression=compression, use_dictionary=["id", "finish_reason"],
+                                write_statistics=["num_tokens", "prompt_tokens"])
+
+    def _write_rows(self, writer: pq.ParquetWriter, shard: dict, chunk: list[int],
+                    encoded: list[tuple[bytes, bytes | None]]) -> None:
+        """Write one encoded mini-batch as a row group (runs on the I/O thread)."""
+        rows = {name: [] for name in writer.schema.names}
+        for i, (data, scales) in zip(chunk, encoded):
+            n, p = len(shard["input_ids"][i]), shard["prompt_tokens"][i]
+            rows["id"].append(shard["ids"][i])
+            rows["input_ids"].append(shard["input_ids"][i])
+            rows["loss_mask"].append([0] * p + [1] * (n - p))
+            rows["num_tokens"].append(n)
+            rows["prompt_tokens"].append(p)
+            rows["finish_reason"].append(shard["finish_reason"][i])
+            rows["features"].append(data)
+            rows["scales"].append(scales)
+        writer.write_table(pa.Table.from_pydict(rows, schema=writer.schema))

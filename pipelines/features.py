@@ -1,0 +1,466 @@
+"""Ray Data feature pipeline: prompts -> target regenerations -> teacher-forced hidden
+states of the selected layers -> sharded Parquet in object storage, plus ``manifest.json``.
+
+Public API (the file format is documented in :mod:`pipelines.feature_format`):
+
+* :func:`run_features` (cfg) -> summary: runs or resumes a run, writes the manifest last.
+* :func:`verify_features` (uri) -> :class:`VerifyReport`: re-checks counts and checksums.
+* :func:`read_features` (uri, target_identity=, layer_ids=, hidden_size=) -> ``ray.data.Dataset``
+  over a committed run, refusing a manifest made for another target.
+* :func:`load_manifest` (uri) -> dict.
+
+Exactly once: the prompt list (after split, dedup and caps, in source order) is cut into
+shards of ``samples_per_shard`` with stable ids. A shard is written under a per-attempt
+file name and then committed by ``progress/shard-<id>.json`` (path, rows, sha256); a
+restart skips committed shards and redoes the rest, so a crash at any point loses at most
+the shards in flight and duplicates nothing. ``manifest.json`` lists exactly one file per
+shard and is written after every shard is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipelines import storage
+from pipelines.config import ConfigError, FeaturesConfig
+from pipelines.feature_format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
+from pipelines.feature_workers import ExtractFeatures, Regenerate, regenerate_vllm, resolve_layer_ids
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
+_READ_ROWS = 8  # rows per block the reader yields: features make rows large (MBs each)
+
+
+# ---------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class ShardPlan:
+    shard_id: str
+    ids: tuple[str, ...]
+    messages: tuple[str, ...]  # JSON, one per sample
+
+    def as_row(self) -> dict:
+        return {"shard_id": self.shard_id, "ids": list(self.ids), "messages": list(self.messages)}
+
+
+def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
+    """The run's shards and a hash of the prompt list they came from."""
+    from specdec.prompts import load_prompts
+
+    p = cfg.prompts
+    prompts = load_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, limit=p.limit,
+                           multi_turn=p.multi_turn, max_prompt_chars=p.max_prompt_chars,
+                           min_prompt_chars=p.min_prompt_chars, dedup=p.dedup)
+    if not prompts:
+        raise ConfigError(f"features.prompts: no prompts left from {p.source!r} after the split and filters")
+    ids, messages, digest = [], [], hashlib.sha256()
+    seen: Counter[str] = Counter()
+    for prompt in prompts:
+        # Sources may repeat an id for different conversations; samples need unique keys.
+        seen[prompt.id] += 1
+        sample_id = prompt.id if seen[prompt.id] == 1 else f"{prompt.id}~{seen[prompt.id]}"
+        text = json.dumps(prompt.messages, ensure_ascii=False, sort_keys=True)
+        ids.append(sample_id)
+        messages.append(text)
+        digest.update(f"{sample_id}\x1f{text}\x1e".encode())
+    n = cfg.storage.samples_per_shard
+    width = max(5, len(str((len(ids) - 1) // n)))
+    shards = [ShardPlan(f"{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]))
+              for k, i in enumerate(range(0, len(ids), n))]
+    return shards, digest.hexdigest()
+
+
+def _start_or_resume(fs, root: str, uri: str, cfg: FeaturesConfig, plan_hash: str, num_shards: int) -> str:
+    """Record the run's settings, or check that a restart uses the same ones. Returns
+    the run key every shard record carries."""
+    content = cfg.content()
+    path = storage.join(root, RUN_FILE)
+    if storage.exists(fs, path):
+        previous = storage.read_json(fs, path)
+        diff = _first_difference(previous["content"], content)
+        if diff is not None:
+            key, old, new = diff
+            raise ConfigError(f"features.{key}: the run at {uri} was started with {old!r}, the config now says "
+                              f"{new!r}; use another features.output, or remove the old run")
+        if previous["plan_sha256"] != plan_hash:
+            raise ConfigError(f"features.prompts: the prompt list differs from the one the run at {uri} started "
+                              "with (did the source change?); use another features.output")
+        return previous["run_key"]
+    run_key = hashlib.sha256(json.dumps([content, plan_hash], sort_keys=True).encode()).hexdigest()[:16]
+    storage.write_json(fs, path, {"format": FORMAT, "schema_version": SCHEMA_VERSION, "content": content,
+                                  "plan_sha256": plan_hash, "num_shards": num_shards, "run_key": run_key,
+                                  "started_at": _now()})
+    return run_key
+
+
+def _first_difference(old, new, prefix: str = ""):
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(key), new.get(key), f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    return None if old == new else (prefix.rstrip("."), old, new)
+
+
+def check_target_early(cfg: FeaturesConfig) -> None:
+    """Resolve the target once in the driver and check the layers exist before any Ray
+    work (workers check again). Resolving here also converts the embedded GGUF once,
+    instead of in two actors at the same time."""
+    from specdec.target import resolve_target_path
+
+    path = Path(resolve_target_path(cfg.target.model))
+    if not (path / "config.json").is_file():
+        return  # not a local directory: the workers find out
+    conf = json.loads((path / "config.json").read_text())
+    layers = conf.get("num_hidden_layers") or (conf.get("text_config") or {}).get("num_hidden_layers")
+    if layers:
+        resolve_layer_ids(cfg.layer_ids, cfg.num_layers, int(layers))
+
+
+def committed_shards(fs, root: str) -> dict[str, dict]:
+    """Progress records by shard id (each one a committed shard)."""
+    paths = storage.list_files(fs, storage.join(root, "progress"), ".json")
+    return {r["shard_id"]: r for r in storage.read_json_many(fs, paths)}
+
+
+# ---------------------------------------------------------------------------- the Ray Data pipeline
+def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, options: dict, run_key: str):
+    """Shard rows -> regenerate -> extract + write; yields one status row per shard."""
+    import ray.data
+
+    ds = ray.data.from_items([s.as_row() for s in shards], override_num_blocks=len(shards))
+    target = dataclasses.asdict(cfg.target)
+    gen = dataclasses.asdict(cfg.generation)
+    if cfg.generation.backend == "hf":
+        ds = ds.map_batches(
+            Regenerate, batch_size=1, batch_format="pyarrow",
+            fn_constructor_kwargs={"target": target, "generation": gen,
+                                   "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
+            compute=ray.data.ActorPoolStrategy(size=cfg.generation.actors),
+            num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
+        )
+    else:
+        from specdec.target import resolve_target_path
+
+        max_len = cfg.prompts.max_prompt_tokens + cfg.generation.max_new_tokens
+        ds = regenerate_vllm(ds, resolve_target_path(cfg.target.model), gen, target, cfg.prompts.max_prompt_tokens,
+                             max_len, order={s.shard_id: list(s.ids) for s in shards})
+    return ds.map_batches(
+        ExtractFeatures, batch_size=1, batch_format="pyarrow",
+        fn_constructor_kwargs={"run_uri": uri, "storage_options": options, "target": target,
+                               "layer_ids": cfg.layer_ids, "num_layers": cfg.num_layers,
+                               "storage_cfg": dataclasses.asdict(cfg.storage), "batch_size": cfg.extract.batch_size,
+                               "num_gpus": cfg.extract.num_gpus, "run_key": run_key},
+        compute=ray.data.ActorPoolStrategy(size=cfg.extract.actors),
+        num_cpus=cfg.extract.num_cpus, num_gpus=cfg.extract.num_gpus,
+    )
+
+
+class Progress:
+    """Rows/s, tokens/s and bytes written, logged as shards commit."""
+
+    def __init__(self, total_shards: int, already_done: int):
+        self.total, self.done, self.run = total_shards, already_done, 0
+        self.rows = self.tokens = self.gen_tokens = self.bytes = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, status: dict) -> None:
+        self.done += 1
+        self.run += 1
+        self.rows += status["rows"]
+        self.tokens += status["tokens"]
+        self.gen_tokens += status["gen_tokens"]
+        self.bytes += status["bytes"]
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        eta = (self.total - self.done) * dt / self.run
+        log.info("shard %s committed | %d/%d shards, eta %.0f s | %d rows %.2f rows/s | %.0f tok/s (generated "
+                 "%.0f tok/s) | %s written %s/s", status["shard_id"], self.done, self.total, eta, self.rows,
+                 self.rows / dt, self.tokens / dt, self.gen_tokens / dt, _human(self.bytes), _human(self.bytes / dt))
+
+    def as_dict(self) -> dict:
+        dt = time.perf_counter() - self.t0
+        return {"rows": self.rows, "tokens": self.tokens, "bytes": self.bytes, "seconds": round(dt, 3),
+                "rows_per_s": self.rows / dt if dt else 0.0, "tokens_per_s": self.tokens / dt if dt else 0.0}
+
+
+def run_features(cfg: FeaturesConfig) -> dict:
+    """Run (or resume) the pipeline described by ``cfg`` on the connected Ray cluster and
+    commit it. Returns a summary; a run already committed returns at once."""
+    uri = storage.absolute_uri(cfg.output)
+    options = storage.resolve_options(uri, cfg.storage.options)
+    fs, root = storage.filesystem(uri, options)
+    check_target_early(cfg)
+    plan, plan_hash = plan_shards(cfg)
+    run_key = _start_or_resume(fs, root, uri, cfg, plan_hash, len(plan))
+    if storage.exists(fs, storage.join(root, MANIFEST)):
+        manifest = storage.read_json(fs, storage.join(root, MANIFEST))
+        log.info("%s is already committed (%d samples); nothing to do", uri, manifest["num_samples"])
+        return {"uri": uri, "already_committed": True, "shards_run": 0, "shards_skipped": len(plan),
+                "num_samples": manifest["num_samples"]}
+    done = committed_shards(fs, root)
+    pending = [s for s in plan if s.shard_id not in done]
+    log.info("%s: %d shards planned, %d already committed, %d to run", uri, len(plan), len(plan) - len(pending),
+             len(pending))
+    progress = Progress(len(plan), len(plan) - len(pending))
+    wave = cfg.generation.vllm.wave_shards if cfg.generation.backend == "vllm" else max(1, len(pending))
+    for start in range(0, len(pending), wave):
+        for status in build_dataset(pending[start: start + wave], cfg, uri, options, run_key).iter_rows():
+            progress.update(status)
+    manifest = commit(fs, root, uri, cfg, plan, run_key)
+    return {"uri": uri, "already_committed": False, "shards_run": len(pending),
+            "shards_skipped": len(plan) - len(pending), "num_samples": manifest["num_samples"],
+            "num_tokens": manifest["num_tokens"], "num_bytes": manifest["num_bytes"], **progress.as_dict()}
+
+
+# ---------------------------------------------------------------------------- commit
+_SAME_IN_EVERY_SHARD = ("run_key", "target", "tokenizer", "layout")
+
+
+def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardPlan], run_key: str) -> dict:
+    """Check the committed shards cover the plan exactly once; write ``manifest.json``."""
+    records = committed_shards(fs, root)
+    missing = [s.shard_id for s in plan if s.shard_id not in records]
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {len(plan)} shards are not committed (first: {missing[0]}); "
+                           "run the job again to finish them")
+    ordered = [records[s.shard_id] for s in plan]
+    for rec in ordered:
+        if rec["run_key"] != run_key:
+            raise RuntimeError(f"shard {rec['shard_id']} belongs to another run ({rec['run_key']} != {run_key})")
+        for key in _SAME_IN_EVERY_SHARD:
+            if rec[key] != ordered[0][key]:
+                raise RuntimeError(f"shard {rec['shard_id']} was written with a different {key} than shard "
+                                   f"{ordered[0]['shard_id']}: {rec[key]} != {ordered[0][key]}")
+    for shard, rec in zip(plan, ordered):
+        if sorted(rec["ids"] + list(rec["skipped"])) != sorted(shard.ids):
+            raise RuntimeError(f"shard {shard.shard_id} does not hold exactly its planned samples")
+    manifest = _manifest(cfg, ordered)
+    storage.write_json(fs, storage.join(root, MANIFEST), manifest)  # the run's commit point
+    _remove_orphans(fs, root, {rec["path"] for rec in ordered})
+    log.info("committed %s: %d samples, %d tokens, %s in %d shards (%.1f bytes/token, nominal %d)", uri,
+             manifest["num_samples"], manifest["num_tokens"], _human(manifest["num_bytes"]), len(ordered),
+             manifest["bytes_per_token"], manifest["nominal_bytes_per_token"])
+    return manifest
+
+
+def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
+    first = records[0]
+    layout = first["layout"]
+    nominal = FeatureLayout(layout["dtype"], layout["layer_ids"], layout["hidden_size"]).nominal_bytes_per_token
+    tokens = sum(r["tokens"] for r in records)
+    nbytes = sum(r["bytes"] for r in records)
+    skipped = Counter(reason for r in records for reason in r["skipped"].values())
+    content = cfg.content()
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "created_at": _now(),
+        "run_key": first["run_key"],
+        "target": first["target"],
+        "tokenizer": first["tokenizer"],
+        "layer_ids": layout["layer_ids"],
+        "hidden_size": layout["hidden_size"],
+        "feature_dim": layout["feature_dim"],
+        "dtype": layout["dtype"],
+        "scale_dtype": layout["scale_dtype"],
+        "generation": content["generation"],
+        "prompts": content["prompts"],
+        "num_samples": sum(r["rows"] for r in records),
+        "num_tokens": tokens,
+        "num_response_tokens": sum(r["response_tokens"] for r in records),
+        "num_bytes": nbytes,
+        "bytes_per_token": nbytes / tokens if tokens else 0.0,
+        "nominal_bytes_per_token": nominal,
+        "num_skipped": sum(skipped.values()),
+        "skipped": dict(skipped),
+        "shards": [{k: r[k] for k in ("shard_id", "path", "rows", "tokens", "bytes", "sha256")} for r in records],
+    }
+
+
+def _remove_orphans(fs, root: str, keep: set[str]) -> None:
+    """Delete shard files of failed or superseded attempts (never listed anywhere)."""
+    for path in storage.list_files(fs, storage.join(root, "shards"), ".parquet"):
+        rel = f"shards/{posixpath.basename(path)}"
+        if rel not in keep:
+            fs.rm(path)
+
+
+# ---------------------------------------------------------------------------- manifest, verify
+def load_manifest(uri: str, storage_options: dict | None = None) -> dict:
+    """The committed manifest of a run; FileNotFoundError if the run never finished."""
+    uri = storage.absolute_uri(uri)
+    fs, root = storage.filesystem(uri, storage_options)
+    path = storage.join(root, MANIFEST)
+    if not storage.exists(fs, path):
+        raise FileNotFoundError(f"no {MANIFEST} at {uri}: the feature run is not committed (finish it with "
+                                "jobs/generate_features.py) or the path is wrong")
+    return storage.read_json(fs, path)
+
+
+@dataclass
+class VerifyReport:
+    uri: str
+    shards: int = 0
+    rows: int = 0
+    tokens: int = 0
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (shard path or "manifest", reason)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"OK {self.uri}: {self.rows} samples, {self.tokens} tokens in {self.shards} shards"
+        lines = [f"BAD {self.uri}: {len(self.problems)} problem(s)"]
+        lines += [f"  {where}: {why}" for where, why in self.problems]
+        return "\n".join(lines)
+
+
+def verify_features(uri: str, storage_options: dict | None = None, threads: int = 8) -> VerifyReport:
+    """Re-read every shard of a committed run: size, sha256, row and token counts, unique
+    ids; every problem names its shard."""
+    uri = storage.absolute_uri(uri)
+    manifest = load_manifest(uri, storage_options)
+    fs, root = storage.filesystem(uri, storage_options)
+    report = VerifyReport(uri, shards=len(manifest["shards"]))
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(lambda e: _check_shard(fs, root, e), manifest["shards"]))
+    ids: Counter[str] = Counter()
+    for entry, (problem, shard_ids, tokens) in zip(manifest["shards"], results):
+        if problem:
+            report.problems.append((entry["path"], problem))
+            continue
+        ids.update(shard_ids)
+        report.rows += len(shard_ids)
+        report.tokens += tokens
+    dupes = [i for i, c in ids.items() if c > 1]
+    if dupes:
+        report.problems.append(("manifest", f"{len(dupes)} sample ids occur more than once (e.g. {dupes[0]!r})"))
+    if report.ok and (report.rows, report.tokens) != (manifest["num_samples"], manifest["num_tokens"]):
+        report.problems.append(("manifest", f"shards hold {report.rows} samples / {report.tokens} tokens, the "
+                                            f"manifest says {manifest['num_samples']} / {manifest['num_tokens']}"))
+    return report
+
+
+def _check_shard(fs, root: str, entry: dict) -> tuple[str | None, list[str], int]:
+    """(problem or None, ids, tokens) of one manifest entry; reads the shard in chunks."""
+    path = storage.join(root, entry["path"])
+    try:
+        _check_digest(entry, *storage.sha256_file(fs, path))
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f, columns=["id", "num_tokens"])
+    except CorruptShardError as e:
+        return e.reason, [], 0
+    except FileNotFoundError:
+        return "missing", [], 0
+    except Exception as e:  # an unreadable file is a bad shard, whatever the library says
+        return f"unreadable: {e}", [], 0
+    if table.num_rows != entry["rows"]:
+        return f"{table.num_rows} rows, manifest says {entry['rows']}", [], 0
+    tokens = int(pc.sum(table["num_tokens"]).as_py() or 0)
+    if tokens != entry["tokens"]:
+        return f"{tokens} tokens, manifest says {entry['tokens']}", [], 0
+    return None, table["id"].to_pylist(), tokens
+
+
+def _check_digest(entry: dict, sha256: str, nbytes: int) -> None:
+    if nbytes != entry["bytes"]:
+        raise CorruptShardError(entry["path"], f"{nbytes} bytes, manifest says {entry['bytes']}")
+    if sha256 != entry["sha256"]:
+        raise CorruptShardError(entry["path"], f"sha256 {sha256[:12]}..., manifest says {entry['sha256'][:12]}...")
+
+
+@contextmanager
+def _verified_local_file(fs, path: str, entry: dict, verify: bool) -> Iterator[str]:
+    """A local file holding the shard (the file itself on a local filesystem, else a
+    streamed temporary copy), checked against its manifest entry on the way: memory
+    stays at one chunk whatever the shard's size."""
+    if storage.is_local(fs):
+        if verify:
+            _check_digest(entry, *storage.sha256_file(fs, path))
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="feature-shard-") as tmp:
+        local = os.path.join(tmp, "shard.parquet")
+        digest = storage.download(fs, path, local)
+        if verify:
+            _check_digest(entry, *digest)
+        yield local
+
+
+# ---------------------------------------------------------------------------- reader
+def read_features(uri: str, *, target_identity: str | None = None, layer_ids: list[int] | None = None,
+                  hidden_size: int | None = None, tokenizer_hash: str | None = None,
+                  storage_options: dict | None = None, verify_checksums: bool = True):
+    """A ``ray.data.Dataset`` of the rows of a committed run (schema in
+    :mod:`pipelines.feature_format`; decode with ``FeatureLayout.from_manifest(m).decode_row``).
+
+    Raises :class:`~pipelines.feature_format.ManifestMismatchError` naming the manifest
+    field that differs from the expected target identity, layer ids, hidden size or
+    tokenizer (None: not checked; ``feature_format.expected_for(target, layer_ids)``
+    gives all four). With ``verify_checksums`` every shard is checked against its size
+    and sha256 as it is read, and a bad one fails the read naming it. A read task streams
+    one shard at a time (through a temporary local copy for object stores) and yields
+    blocks of a few rows, so memory does not grow with the shard size.
+    """
+    import ray.data
+
+    uri = storage.absolute_uri(uri)
+    options = storage.resolve_options(uri, storage_options)
+    manifest = load_manifest(uri, options)
+    check_manifest(manifest, uri, target_identity=target_identity, layer_ids=layer_ids, hidden_size=hidden_size,
+                   tokenizer_hash=tokenizer_hash)
+    entries = [{k: e[k] for k in ("path", "rows", "bytes", "sha256")} for e in manifest["shards"]]
+    ds = ray.data.from_items(entries, override_num_blocks=len(entries))
+    return ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow",
+                          fn_kwargs={"uri": uri, "options": options, "verify": verify_checksums})
+
+
+def _read_shards(entries: pa.Table, uri: str, options: dict, verify: bool):
+    """Yield the rows of each listed shard in small batches, after checking its bytes."""
+    fs, root = storage.filesystem(uri, options)
+    for entry in entries.to_pylist():
+        with _verified_local_file(fs, storage.join(root, entry["path"]), entry, verify) as local:
+            shard = pq.ParquetFile(local)
+            if shard.metadata.num_rows != entry["rows"]:
+                raise CorruptShardError(entry["path"], f"{shard.metadata.num_rows} rows, manifest says {entry['rows']}")
+            for batch in shard.iter_batches(batch_size=_READ_ROWS):
+                yield pa.Table.from_batches([batch])
+
+
+# ---------------------------------------------------------------------------- small helpers
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+__all__ = ["run_features", "verify_features", "read_features", "load_manifest", "plan_shards", "commit",
+           "check_target_early", "VerifyReport", "ShardPlan"]

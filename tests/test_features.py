@@ -1,0 +1,309 @@
+"""The feature pipeline end to end on a tiny target (real tokenizer), on a local Ray
+cluster: to a local path and to a real S3 API (moto's server on loopback), killed and
+resumed, corrupted and caught, mismatched and refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+
+from pipelines import storage
+from pipelines.config import ConfigError, load_features_config
+from pipelines.feature_format import FeatureLayout, ManifestMismatchError, expected_for
+from pipelines.features import load_manifest, read_features, run_features, verify_features
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [1, 2, 3]
+NUM_PROMPTS = 11  # one of them is over the token cap and is skipped
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ray_address():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 << 20,
+                 logging_level="warning", log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("features")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(work) -> Path:
+    from specdec.tiny import save_tiny_target
+
+    return save_tiny_target(work / "tiny", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    from specdec.target import load_target
+
+    return load_target(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(work) -> str:
+    rows = [{"id": f"p{i}", "prompt": f"Question {i}: what is {i} times {i + 1}?"} for i in range(10)]
+    rows.append({"id": "long", "prompt": "tell me a very long story " * 20})  # > max_prompt_tokens
+    path = work / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def recipe(work: Path, tiny_dir: Path, prompts: str, output: str, name: str, **sections) -> Path:
+    """A recipe file for the tiny target; ``sections`` are merged into ``features``."""
+    features = {
+        "output": output, "target": {"model": str(tiny_dir)}, "layer_ids": LAYERS,
+        "prompts": {"source": prompts, "split": "all", "max_prompt_tokens": 60},
+        "generation": {"max_new_tokens": 12, "batch_size": 4},
+        "extract": {"batch_size": 3},
+        "storage": {"samples_per_shard": 4},
+    }
+    for key, value in sections.items():
+        features[key] = {**features[key], **value} if isinstance(value, dict) else value
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"features": features, "train": {"owned_by": "another stage"}}))
+    return path
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def local_run(ray_address, work, tiny_dir, prompts_file):
+    path = recipe(work, tiny_dir, prompts_file, str(work / "run-local"), "local")
+    cfg = load_features_config(path)
+    progress, logger = Lines(), logging.getLogger("pipelines.features")
+    logger.addHandler(progress)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        summary = run_features(cfg)
+    finally:
+        logger.removeHandler(progress)
+        logger.setLevel(old_level)
+    return cfg, summary | {"log": progress.lines}
+
+
+@pytest.fixture(scope="module")
+def s3(ray_address):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing", "region": "us-east-1"}
+    fs, _ = storage.filesystem("s3://features", options)
+    fs.call_s3("create_bucket", Bucket="features")
+    yield options
+    server.stop()
+
+
+# ---------------------------------------------------------------------------- helpers
+def assert_exactly_once(uri: str, options: dict | None = None) -> dict:
+    """The committed run holds every planned prompt once: as a row or as a counted skip."""
+    m = load_manifest(uri, options)
+    fs, root = storage.filesystem(uri, options)
+    records = storage.read_json_many(fs, storage.list_files(fs, storage.join(root, "progress"), ".json"))
+    ids = [i for r in records for i in r["ids"]]
+    skipped = [i for r in records for i in r["skipped"]]
+    assert len(ids) == len(set(ids)) == m["num_samples"] == NUM_PROMPTS - 1
+    assert skipped == ["long"] and m["skipped"] == {"prompt_too_long": 1}
+    assert len(m["shards"]) == len({s["shard_id"] for s in m["shards"]}) == 3
+    listed = {s["path"] for s in m["shards"]}
+    stored = {f"shards/{Path(p).name}" for p in storage.list_files(fs, storage.join(root, "shards"))}
+    assert stored == listed  # no orphans of killed attempts, no temporaries
+    report = verify_features(uri, options)
+    assert report.ok, report.summary()
+    return m
+
+
+def check_rows_against_target(rows: list[dict], manifest: dict, tiny, bound) -> None:
+    """Stored ids, masks and features equal a fresh single-sequence target pass."""
+    layout = FeatureLayout.from_manifest(manifest)
+    for row in rows[:3]:
+        dec = layout.decode_row(row)
+        n, p = row["num_tokens"], row["prompt_tokens"]
+        assert dec["features"].shape == (n, len(LAYERS) * 64)
+        assert dec["loss_mask"].tolist() == [False] * p + [True] * (n - p) and n > p
+        prompt = [{"role": "user", "content": f"Question {row['id'][1:]}: what is {int(row['id'][1:])} times "
+                                              f"{int(row['id'][1:]) + 1}?"}]
+        assert dec["input_ids"][:p].tolist() == tiny.encode_chat(prompt)
+        ids = dec["input_ids"][None]
+        ref = tiny(ids, torch.arange(n)[None], None, None, LAYERS).features[0]
+        assert bound(dec["features"], ref), (row["id"], (dec["features"] - ref).abs().max())
+
+
+# ---------------------------------------------------------------------------- tests
+def test_local_run_end_to_end(local_run, tiny):
+    cfg, summary = local_run
+    uri = storage.absolute_uri(cfg.output)
+    m = assert_exactly_once(uri)
+    assert summary["shards_run"] == 3 and summary["num_samples"] == 10
+    shard_lines = [line for line in summary["log"] if "committed |" in line]
+    assert len(shard_lines) == 3  # progress while it runs: one line per shard
+    assert all("rows/s" in line and "tok/s" in line and "written" in line for line in shard_lines)
+    assert m["target"]["identity"] == tiny.identity and m["target"]["model_id"] == cfg.target.model
+    assert (m["layer_ids"], m["hidden_size"], m["dtype"], m["feature_dim"]) == (LAYERS, 64, "float16", 192)
+    assert m["tokenizer"]["hash"] == expected_for(tiny, LAYERS)["tokenizer_hash"]
+    assert m["num_tokens"] == sum(s["tokens"] for s in m["shards"])
+    assert m["nominal_bytes_per_token"] == 3 * 64 * 2
+    # Parquet footers dominate the overhead at this toy width (192 features, 4 samples a shard)
+    assert m["nominal_bytes_per_token"] <= m["bytes_per_token"] < 1.3 * m["nominal_bytes_per_token"]
+
+    rows = read_features(uri, **expected_for(tiny, LAYERS)).take_all()
+    assert sorted(r["id"] for r in rows) == sorted(f"p{i}" for i in range(10))
+    check_rows_against_target(rows, m, tiny, lambda got, ref: torch.allclose(got, ref, rtol=2e-3, atol=2e-3))
+
+    # idempotent: running again changes nothing
+    before = {p: p.stat().st_mtime_ns for p in Path(uri).rglob("*") if p.is_file()}
+    again = run_features(cfg)
+    assert again["already_committed"] and again["shards_run"] == 0
+    assert {p: p.stat().st_mtime_ns for p in Path(uri).rglob("*") if p.is_file()} == before
+
+
+def test_restart_with_other_settings_is_refused(local_run):
+    cfg, _ = local_run
+    changed = copy.deepcopy(cfg)
+    changed.generation.temperature = 0.7
+    with pytest.raises(ConfigError, match=r"features\.generation\.temperature: the run at .* was started with 0\.0"):
+        run_features(changed)
+
+
+def test_corrupt_shard_is_named_by_verify_and_reader(local_run, work, tiny):
+    cfg, _ = local_run
+    bad = work / "run-corrupt"
+    shutil.copytree(storage.absolute_uri(cfg.output), bad)
+    shard = load_manifest(str(bad))["shards"][1]["path"]
+    data = bytearray((bad / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the features
+    (bad / shard).write_bytes(bytes(data))
+
+    job = subprocess.run([sys.executable, str(REPO / "jobs" / "generate_features.py"), "--verify", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 1, job.stdout + job.stderr
+    assert shard in job.stdout and "sha256" in job.stdout
+    assert [where for where, _ in verify_features(str(bad)).problems] == [shard]
+
+    with pytest.raises(Exception) as err:
+        read_features(str(bad), **expected_for(tiny, LAYERS)).take_all()
+    assert shard in str(err.value) and "corrupt feature shard" in str(err.value)
+
+
+def test_reader_refuses_a_manifest_for_another_target(local_run, tiny, work):
+    cfg, _ = local_run
+    uri = storage.absolute_uri(cfg.output)
+    good = expected_for(tiny, LAYERS)
+    for change, field in [({"target_identity": "0" * 64}, "target.identity"), ({"layer_ids": [1, 2]}, "layer_ids"),
+                          ({"hidden_size": 576}, "hidden_size"), ({"tokenizer_hash": "x"}, "tokenizer.hash")]:
+        with pytest.raises(ManifestMismatchError) as err:
+            read_features(uri, **{**good, **change})
+        assert err.value.field == field and f"'{field}'" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="not committed"):
+        read_features(str(work / "no-such-run"))
+
+
+def test_s3_end_to_end_int8(s3, work, tiny_dir, prompts_file, tiny):
+    uri = "s3://features/runs/tiny-int8"
+    path = recipe(work, tiny_dir, prompts_file, uri, "s3", storage={"dtype": "int8", "options": s3})
+    summary = run_features(load_features_config(path))
+    assert summary["num_samples"] == 10
+    m = assert_exactly_once(uri, s3)
+    assert (m["dtype"], m["scale_dtype"]) == ("int8", "float32")
+    # int8 + a float32 scale per token and layer: 192 + 12 bytes a token, plus ids/mask/footers
+    assert m["nominal_bytes_per_token"] == 192 and m["bytes_per_token"] < 1.3 * (192 + 12)
+
+    rows = read_features(uri, storage_options=s3, **expected_for(tiny, LAYERS)).take_all()
+    assert len(rows) == 10
+
+    def within_int8_bound(got, ref):  # |error| <= max|x| / 254 per token and layer (+ fp32 slack)
+        err = (got - ref).abs().view(len(ref), len(LAYERS), -1)
+        bound = ref.abs().view(len(ref), len(LAYERS), -1).amax(-1, keepdim=True) / 254
+        return bool((err <= bound * 1.001 + 1e-5).all())
+
+    check_rows_against_target(rows, m, tiny, within_int8_bound)
+    assert "vllm" not in sys.modules
+
+
+def test_driver_killed_mid_run_then_resumed(ray_address, work, tiny_dir, prompts_file):
+    out = work / "run-driver-kill"
+    path = recipe(work, tiny_dir, prompts_file, str(out), "driver-kill", generation={"max_new_tokens": 24})
+    log = open(work / "driver-kill.log", "w")
+    job = subprocess.Popen([sys.executable, str(REPO / "jobs" / "generate_features.py"), "--config", str(path)],
+                           env={**os.environ, "RAY_ADDRESS": ray_address}, stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        wait_for_records(out, 1, job)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the whole job process group, as a node failure would
+        job.wait()
+    assert not (out / "manifest.json").exists()
+    committed = len(list((out / "progress").glob("*.json")))
+    assert 1 <= committed < 3
+
+    summary = run_features(load_features_config(path))
+    assert summary["shards_skipped"] >= committed and summary["shards_run"] + summary["shards_skipped"] == 3
+    assert_exactly_once(str(out))
+
+
+def test_worker_killed_mid_run(ray_address, work, tiny_dir, prompts_file):
+    out = work / "run-worker-kill"
+    path = recipe(work, tiny_dir, prompts_file, str(out), "worker-kill", generation={"max_new_tokens": 24},
+                  storage={"samples_per_shard": 4})
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run(load_features_config(path))), daemon=True)
+
+    def run(cfg):
+        try:
+            return {"summary": run_features(cfg)}
+        except BaseException as e:  # surfaced below
+            return {"error": e}
+
+    runner.start()
+    record = wait_for_records(out, 1)[0]
+    os.kill(record["extract_pid"], signal.SIGKILL)  # the actor writing shards, mid-run
+    runner.join(timeout=240)
+    assert not runner.is_alive()
+    if "error" in result:  # Ray Data retries a lost actor's work; a failed run must still resume cleanly
+        result = {"summary": run_features(load_features_config(path))}
+    assert result["summary"]["num_samples"] == 10
+    assert_exactly_once(str(out))
+
+
+def wait_for_records(out: Path, n: int, job: subprocess.Popen | None = None, timeout: float = 150) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted((out / "progress").glob("*.json")) if (out / "progress").exists() else []
+        if len(found) >= n:
+            return [json.loads(p.read_text()) for p in found]
+        if job is not None and job.poll() is not None:
+            pytest.fail(f"the job exited ({job.returncode}) before committing a shard")
+        time.sleep(0.02)
+    pytest.fail(f"no {n} committed shard(s) in {out} after {timeout} s")

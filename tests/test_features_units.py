@@ -1,0 +1,260 @@
+"""Feature pipeline pieces that need no Ray: recipe validation, storage helpers, the
+stored encodings (8-bit error bound), shard planning and the vLLM processor config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipelines import storage
+from pipelines.config import ConfigError, FeaturesConfig, load_features_config, parse_section
+from pipelines.feature_format import (FeatureLayout, ManifestMismatchError, check_manifest, dequantize_int8,
+                                      quantize_int8)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_recipe(path: Path, features: dict, **other_sections) -> Path:
+    path.write_text(yaml.safe_dump({"features": features, **other_sections}))
+    return path
+
+
+# ---------------------------------------------------------------------------- config
+def test_shipped_recipe_loads_and_ignores_other_stages_sections(tmp_path):
+    cfg = load_features_config(REPO / "configs" / "smollm2-135m.yaml")
+    assert cfg.generation.backend == "hf" and cfg.storage.dtype == "float16"
+
+    recipe = write_recipe(tmp_path / "r.yaml", {"output": "x"}, drafter={"anything": 1}, train={"lr": "?"})
+    assert load_features_config(recipe).output == "x"
+
+
+@pytest.mark.parametrize("features, message", [
+    ({"output": "x", "extract": {"batch_size": -1}}, "features.extract.batch_size: expected int > 0, got -1"),
+    ({"output": "x", "generation": {"max_tokens": 5}}, "features.generation.max_tokens: unknown key"),
+    ({"output": "x", "generation": {"backend": "tgi"}}, "features.generation.backend: expected one of 'hf', 'vllm'"),
+    ({"output": "x", "generation": {"top_p": 0}}, "features.generation.top_p: expected number in (0, 1], got 0"),
+    ({"output": "x", "storage": {"dtype": "fp8"}}, "features.storage.dtype: expected one of"),
+    ({"output": "x", "layer_ids": [1, 1]}, "features.layer_ids: expected distinct ints >= 0"),
+    ({"output": "x", "prompts": {"limit": "ten"}}, "features.prompts.limit: expected int, got 'ten'"),
+    ({"output": "x", "generation": {"backend": "vllm"}}, "features.generation.num_gpus"),
+    ({"target": {"model": "m"}}, "features.output: required"),
+])
+def test_recipe_errors_name_the_key(tmp_path, features, message):
+    with pytest.raises(ConfigError) as err:
+        load_features_config(write_recipe(tmp_path / "r.yaml", features))
+    assert message in str(err.value)
+
+
+def test_missing_section_and_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"train": {}}))
+    with pytest.raises(ConfigError, match="features: section missing"):
+        load_features_config(recipe)
+    write_recipe(recipe, {"output": "x"})
+    cfg = load_features_config(recipe, ["features.prompts.limit=7", "features.storage.dtype=int8"])
+    assert (cfg.prompts.limit, cfg.storage.dtype) == (7, "int8")
+
+
+def test_content_ignores_resources_but_not_generation():
+    a = parse_section(FeaturesConfig, {"output": "x"}, "features")
+    b = parse_section(FeaturesConfig, {"output": "y", "extract": {"actors": 4}}, "features")
+    c = parse_section(FeaturesConfig, {"output": "x", "generation": {"temperature": 0.7}}, "features")
+    assert a.content() == b.content() != c.content()
+
+
+# ---------------------------------------------------------------------------- encodings
+def test_int8_round_trip_within_stated_bound():
+    """Stated bound: |x - decoded| <= max|x| / 254 per (token, layer), + float32 rounding."""
+    torch.manual_seed(0)
+    layout = FeatureLayout("int8", (1, 3, 5), 96)
+    x = torch.randn(37, 3 * 96) * torch.logspace(-2, 3, 37)[:, None]  # magnitudes over 5 decades
+    x[5, 10] = 900.0  # an outlier channel, as real hidden states have
+    x[7, :96] = 0.0  # an all-zero slice
+    data, scales = layout.encode(x)
+    assert len(data) == 37 * 3 * 96 and len(scales) == 37 * 3 * 4
+    y = layout.decode(data, scales, 37)
+    err = (y - x).abs().view(37, 3, 96)
+    bound = x.abs().view(37, 3, 96).amax(-1, keepdim=True) / 254
+    assert bool((err <= bound * (1 + 1e-5) + 1e-30).all())
+    assert torch.equal(y[7, :96], torch.zeros(96))
+    rel = ((y - x).norm() / x.norm()).item()
+    assert rel < 0.01
+
+
+def test_quantize_never_clips():
+    q, s = quantize_int8(torch.tensor([[-3.0, 1.5, 3.0]]))
+    assert q.tolist() == [[-127, 64, 127]]
+    assert torch.allclose(dequantize_int8(q, s), torch.tensor([[-3.0, 1.512, 3.0]]), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 1e-3), ("bfloat16", 8e-3)])
+def test_float_round_trip_and_exact_size(dtype, tol):
+    layout = FeatureLayout(dtype, (0, 1), 8)
+    x = torch.randn(2, 5, 16)
+    rows = layout.encode_batch(x, [5, 3])  # row 1 is right-padded: only 3 tokens are stored
+    assert [len(d) for d, _ in rows] == [5 * 16 * 2, 3 * 16 * 2] and rows[0][1] is None
+    y = layout.decode(rows[1][0], None, 3)
+    assert torch.allclose(y, x[1, :3], rtol=tol, atol=tol)
+    assert layout.nominal_bytes_per_token == 16 * 2
+
+
+def test_float16_overflow_is_an_error_not_inf():
+    with pytest.raises(ValueError, match="overflow float16"):
+        FeatureLayout("float16", (0,), 4).encode(torch.full((2, 4), 1e6))
+
+
+def test_manifest_check_names_the_field():
+    m = {"format": "dflash-features", "schema_version": 1, "target": {"identity": "abc"}, "layer_ids": [1, 2],
+         "hidden_size": 64, "tokenizer": {"hash": "t"}}
+    check_manifest(m, "u", target_identity="abc", layer_ids=[1, 2], hidden_size=64, tokenizer_hash="t")
+    for kwargs, name in [({"target_identity": "abd"}, "target.identity"), ({"layer_ids": [1, 3]}, "layer_ids"),
+                         ({"hidden_size": 65}, "hidden_size"), ({"tokenizer_hash": "u"}, "tokenizer.hash")]:
+        with pytest.raises(ManifestMismatchError) as err:
+            check_manifest(m, "u", **kwargs)
+        assert err.value.field == name and f"'{name}'" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- storage
+def test_s3_endpoint_and_region_from_environment(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    opts = storage.resolve_options("s3://b/p", {"key": "k", "secret": "s"})
+    assert opts == {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9",
+                    "client_kwargs": {"region_name": "eu-west-3"}}
+    # the recipe wins over the environment; local paths take no S3 options
+    assert storage.resolve_options("s3://b", {"endpoint_url": "http://x"})["endpoint_url"] == "http://x"
+    assert storage.resolve_options("/tmp/x", {}) == {}
+    fs, path = storage.filesystem("s3://bucket/run/", {"key": "k", "secret": "s"})
+    assert path == "bucket/run" and fs.endpoint_url == "http://127.0.0.1:9"
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    fs, root = storage.filesystem(str(tmp_path))
+    target = storage.join(root, "d", "f.bin")
+    with pytest.raises(RuntimeError):
+        with storage.open_atomic(fs, target) as out:
+            out.write(b"partial")
+            raise RuntimeError("killed")
+    assert list((tmp_path / "d").iterdir()) == []
+    sha = storage.write_bytes(fs, target, b"whole")
+    assert (tmp_path / "d" / "f.bin").read_bytes() == b"whole"
+    assert storage.sha256_file(fs, target) == (sha, 5)
+
+
+# ---------------------------------------------------------------------------- planning
+def test_plan_is_deterministic_with_unique_ids(tmp_path):
+    from pipelines.features import plan_shards
+
+    src = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "prompt": "one"}, {"id": "a", "prompt": "two"}] + \
+           [{"id": f"q{i}", "prompt": f"question {i}"} for i in range(5)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_section(FeaturesConfig, {"output": "x", "prompts": {"source": str(src), "split": "all"},
+                                         "storage": {"samples_per_shard": 3}}, "features")
+    shards, digest = plan_shards(cfg)
+    assert [s.shard_id for s in shards] == ["00000", "00001", "00002"]
+    assert [i for s in shards for i in s.ids] == ["a", "a~2", "q0", "q1", "q2", "q3", "q4"]
+    assert plan_shards(cfg) == (shards, digest)
+
+
+# ---------------------------------------------------------------------------- vllm backend (config only)
+def test_vllm_processor_config_without_importing_vllm():
+    from pipelines.feature_workers import assemble_shard, vllm_postprocess, vllm_processor_config, vllm_sampling_params
+
+    cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {
+        "backend": "vllm", "num_gpus": 1, "batch_size": 64, "actors": 2, "temperature": 0.6, "top_k": 20,
+        "max_new_tokens": 100, "vllm": {"engine_kwargs": {"gpu_memory_utilization": 0.8}}}}, "features")
+    gen = cfg.content()["generation"] | {k: getattr(cfg.generation, k) for k in ("batch_size", "actors")}
+    gen["vllm"] = {"engine_kwargs": cfg.generation.vllm.engine_kwargs, "accelerator_type": "H100"}
+    pc = vllm_processor_config("/models/qwen3-8b", gen, "bfloat16", max_model_len=2148)
+    assert pc.model_source == "/models/qwen3-8b" and pc.batch_size == 64 and pc.concurrency == 2
+    assert pc.accelerator_type == "H100"
+    assert pc.engine_kwargs["max_model_len"] == 2148 and pc.engine_kwargs["gpu_memory_utilization"] == 0.8
+    assert pc.engine_kwargs["dtype"] == "bfloat16"
+    assert not pc.chat_template_stage and not pc.tokenize_stage and not pc.detokenize_stage
+    sp = vllm_sampling_params(gen, "00007")
+    assert sp["max_tokens"] == 100 and sp["top_k"] == 20 and sp["temperature"] == 0.6
+    assert sp == vllm_sampling_params(gen, "00007") != vllm_sampling_params(gen, "00008")
+
+    out = [vllm_postprocess({"shard_id": "00007", "id": "b", "prompt_token_ids": [5, 6],
+                             "generated_tokens": [7] * 100}, 100),
+           {"shard_id": "00007", "id": "c", "tokenized_prompt": [], "generated_tokens": [],
+            "skip_reason": "prompt_too_long", "finish_reason": None},
+           vllm_postprocess({"shard_id": "00007", "id": "a", "tokenized_prompt": [1], "generated_tokens": [2, 3]}, 100)]
+    import pyarrow as pa
+
+    shard = assemble_shard(pa.Table.from_pylist(out), order={"00007": ["a", "b", "c"]}).to_pylist()[0]
+    assert shard["ids"] == ["a", "b"] and shard["input_ids"][0] == [1, 2, 3]
+    assert shard["prompt_tokens"] == [1, 2] and shard["finish_reason"] == ["stop", "length"]
+    assert shard["skipped_ids"] == ["c"] and shard["gen_tokens"] == 102
+    assert "vllm" not in sys.modules
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from specdec.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "t", num_layers=6)
+
+
+def test_layers_are_checked_before_any_ray_work(tiny_dir):
+    from pipelines.features import check_target_early
+
+    tiny = tiny_dir
+
+    def cfg(**features):
+        return parse_section(FeaturesConfig, {"output": "x", "target": {"model": str(tiny)}, **features}, "features")
+
+    check_target_early(cfg(layer_ids=[1, 3, 5]))
+    with pytest.raises(ConfigError, match=r"features\.layer_ids: layers \[6\] do not exist; the target has 6"):
+        check_target_early(cfg(layer_ids=[1, 6]))
+    with pytest.raises(ConfigError, match=r"features\.num_layers: 5 layers spaced over a 6-layer target repeat"):
+        check_target_early(cfg())
+
+
+def test_thinking_switch_only_where_the_template_has_one(caplog):
+    from transformers import AutoTokenizer
+
+    from pipelines.feature_workers import PromptEncoder
+    from specdec.target import resolve_target_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_target_path(None))
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert PromptEncoder(tok, None, 1000)(msgs) == PromptEncoder(tok, True, 1000)(msgs)  # no switch: ignored
+    assert "no thinking switch" in caplog.text
+    assert PromptEncoder(tok, None, 5)(msgs) is None  # over the token cap
+
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    on, off = PromptEncoder(tok, True, 1000)(msgs), PromptEncoder(tok, False, 1000)(msgs)
+    assert off[: len(on)] == on and len(off) > len(on)
+
+
+def test_shard_writer_overlapped_io_writes_the_same_bytes(tiny_dir, tmp_path):
+    """The GPU path (writes on a background thread) and the CPU path (inline) agree."""
+    import pyarrow.parquet as pq
+
+    from pipelines.feature_workers import ShardWriter
+    from specdec.target import load_target
+
+    target = load_target(str(tiny_dir))
+    shard = {"shard_id": "00003", "ids": ["a", "b", "c"], "input_ids": [[5, 6, 7, 8], [9, 10], [11, 12, 13]],
+             "prompt_tokens": [2, 1, 2], "finish_reason": ["stop", "length", "stop"], "skipped_ids": ["d"],
+             "skipped_reasons": ["prompt_too_long"], "gen_tokens": 4, "gen_seconds": 0.0, "gen_pid": 0}
+    status = {}
+    for overlap in (False, True):
+        writer = ShardWriter(target, [1, 4], "float16", "none", 2, str(tmp_path / str(overlap)), {}, "k", "m",
+                             overlap_io=overlap)
+        status[overlap] = writer.write_shard(shard)
+    assert status[False]["sha256"] == status[True]["sha256"]
+    assert (status[False]["rows"], status[False]["tokens"], status[False]["skipped"]) == (3, 9, 1)
+    record = json.loads((tmp_path / "True" / "progress" / "shard-00003.json").read_text())
+    table = pq.read_table(tmp_path / "True" / record["path"])
+    assert table.column("id").to_pylist() == ["b", "c", "a"]  # length-sorted mini-batches
+    assert table.column("loss_mask").to_pylist()[2] == [0, 0, 1, 1]
+    assert record["skipped"] == {"d": "prompt_too_long"} and record["layout"]["layer_ids"] == [1, 4]
