@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.installed
 ASSETS    := $(VENV)/.assets
 PYTEST_ARGS ?=
 
-.PHONY: setup assets test test-fast demo bench clean-cache lint
+.PHONY: setup assets test test-fast demo bench bench-train clean-cache lint
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: setup assets
 
 bench: setup assets
 	$(BIN)/python jobs/benchmark.py --out runs/bench/engine.json
+
+# Training throughput (block tokens/s, 1 and 2 CPU workers) in the SmolLM2 recipe's shapes
+bench-train: setup assets
+	$(BIN)/python jobs/bench_train.py throughput --workers 1,2 --out runs/bench/train_throughput.json
 
 clean-cache:
 	rm -rf $${DFLASH_CACHE:-$$HOME/.cache/dflash-ray}

@@ -178,12 +178,11 @@ def run_hf(target: Target, prompts: list[list[int]], max_new_tokens: int, params
     for i, p in enumerate(prompts):
         ids[i, P - len(p):] = torch.tensor(p, device=dev)
         attn[i, P - len(p):] = 1
-    kw = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, top_k=params.top_k,
-              eos_token_id=sorted(stop_ids) if stop_ids else None)
+    kw = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stop_ids) if stop_ids else None)
     if params.greedy:
         kw.update(do_sample=False)
-    else:
-        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+    else:  # top_k explicit: HF's own default is 50, ours 0 (off)
+        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if prompt_lookup:
         kw.update(prompt_lookup_num_tokens=prompt_lookup)
     torch.manual_seed(seed)
@@ -245,8 +244,11 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
             runs = [run_hf(target, [p], n, params, seed + j, stop, cfg.prompt_lookup_tokens)
                     for j, p in enumerate(batch)]
             return Run([r.tokens[0] for r in runs], sum(r.wall_s for r in runs))
-        proposer = {"ar": None, "oracle": OracleProposer(),
-                    "dflash": DFlashProposer(drafter, target) if drafter is not None else None}[method]
+        proposer = None
+        if method == "oracle":
+            proposer = OracleProposer()
+        elif method == "dflash":
+            proposer = DFlashProposer(drafter, target)
         return run_engine(target, batch, n, params, proposer, K, seed, stop,
                           oracles if method == "oracle" else None)[1]
 

@@ -102,6 +102,7 @@ class StepOutput:
     tau: torch.Tensor  # scalar: simulated greedy accepted length 1 + E[leading matches]
     n_blocks: int
     n_tokens: int
+    acc_count: torch.Tensor | None = None  # (B-1,) labelled positions at each offset (acc's denominator)
 
 
 def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -141,9 +142,10 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     with torch.no_grad():
         hit = torch.zeros_like(blocks.label_mask)
         hit[sel] = logits.argmax(-1) == labels
-        acc = (hit & sel).sum((0, 1)).float() / sel.sum((0, 1)).clamp(min=1).float()
+        count = sel.sum((0, 1))
+        acc = (hit & sel).sum((0, 1)).float() / count.clamp(min=1).float()
         # leading matches per block; a missing label ends the run (it cannot be verified)
         lead = (hit & sel).long().cumprod(-1).sum(-1)
         n_blocks = int(blocks.valid.sum())
         tau = 1 + lead[blocks.valid].float().mean() if n_blocks else torch.tensor(math.nan)
-    return StepOutput(loss, acc, tau, n_blocks, int(sel.sum()))
+    return StepOutput(loss, acc, tau, n_blocks, int(sel.sum()), count)

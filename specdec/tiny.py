@@ -78,3 +78,36 @@ def random_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: i
             if p.dim() == 2:
                 p.normal_(0, 0.2)
     return d
+
+
+def save_cyclic_target(out_dir: str | Path, period: int = 16, first_token: int = 1000, seed: int = 0,
+                       num_layers: int = 4, hidden_size: int = 64) -> Path:
+    """A tiny target (SmolLM2 tokenizer) whose greedy continuation cycles through ``period``
+    ordinary tokens: its layers barely touch the residual stream (so the LM head sees the
+    current token's embedding) and the head maps each cycle token to its successor with a
+    wide margin. Drafters learn it in a few dozen steps, so training and promotion
+    pipelines can be tested for "tau goes up" in seconds."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    if period > hidden_size:
+        raise ValueError(f"period {period} needs hidden_size >= period, got {hidden_size}")
+    tmp = out.with_name(out.name + ".tmp")
+    save_tiny_target(tmp, seed=seed, num_layers=num_layers, hidden_size=hidden_size)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    cycle = list(range(first_token, first_token + period))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for k, tok in enumerate(cycle):
+            embed[tok].zero_()
+            embed[tok, k] = 4.0  # the residual stream points along axis k ...
+            head[cycle[(k + 1) % period], k] = 10.0  # ... and axis k scores the successor
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,66 @@
+"""Generate one completion with the speculative engine and print its stats.
+
+    python jobs/generate.py --prompt "Write a haiku about caches." [--drafter DIR | --oracle]
+
+Without --drafter (or --oracle) the engine runs plain autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+
+import transformers  # noqa: E402
+
+from specdec.bench import BenchError, format_stats, generate_one, load_drafter_for, load_target_checked  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    transformers.utils.logging.disable_progress_bar()  # keep stderr for our own one-line errors
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--target", default=None, help="target dir, .gguf or id (default: embedded SmolLM2-135M-Instruct)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    src.add_argument("--oracle", action="store_true", help="propose the target's own AR continuation (engine ceiling)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="render the prompt with the target's chat template (default) or feed it raw")
+    args = ap.parse_args(argv)
+    try:
+        if args.block_size < 2 or args.max_new_tokens < 1:
+            raise BenchError("--block-size must be >= 2 and --max-new-tokens >= 1")
+        try:
+            params = SamplingParams(args.temperature, args.top_p, args.top_k)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        if args.drafter and not os.path.isdir(args.drafter):  # fail before the slow target load
+            raise BenchError(f"drafter directory not found: {args.drafter}")
+        target = load_target_checked(args.target)
+        drafter = load_drafter_for(args.drafter, target) if args.drafter else None
+        ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
+        if not ids:
+            raise BenchError("the prompt encodes to no tokens")
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result, wall = generate_one(target, ids, args.max_new_tokens, params, drafter=drafter, oracle=args.oracle,
+                                block_size=args.block_size, seed=args.seed)
+    mode = "dflash" if drafter is not None else "oracle" if args.oracle else "ar"
+    print(target.decode(result.tokens))
+    print(f"--- stats ({mode}, block {args.block_size if mode != 'ar' else 1}, prompt {len(ids)} tokens) ---")
+    print(format_stats(result, wall))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

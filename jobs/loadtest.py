@@ -1,0 +1,289 @@
+"""Load test of the OpenAI endpoint: speculative vs AR serving at several concurrencies.
+
+    # against running apps (spec at --url, AR at --ar-url)
+    python jobs/loadtest.py --url http://127.0.0.1:8000 --ar-url http://127.0.0.1:8000/ar
+    # or start both apps in-process first (1 replica each, drafter vs no drafter)
+    python jobs/loadtest.py --start --drafter models:/dflash-smollm2-135m@champion
+
+AR serving is the same application with ``drafter=none`` (plain AR decoding in the same
+continuous-batching engine); ``--start`` runs it at route ``/ar`` next to the
+speculative app at ``/spec``. Each concurrency level sends ``--requests`` streaming,
+greedy chat requests from ``--concurrency`` parallel clients; spec and AR run back to
+back at each level (which goes first alternates), so both see the same machine load. Per level and mode it reports output
+throughput (tokens/s), TTFT (time to the first content chunk) p50/p99, inter-token
+latency p50/p99 (the gap between streamed chunks divided by the tokens they carry) and
+TPOT (per-request (last - first) / (tokens - 1)), the mean accepted length tau, and the
+replicas' CPU seconds per generated token (from /metrics): on a machine shared with
+other work, wall-clock ratios are noisy, CPU per token is not.
+Writes ``loadtest.json`` and ``loadtest.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def replica_counters(url: str, api_key: str | None) -> tuple[float, float] | None:
+    """(replica CPU seconds, generated tokens) summed over the app's replicas, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    cpu = tokens = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "dflash_process_cpu_seconds_total":
+                cpu += s.value
+            elif s.name == "dflash_generated_tokens_total":
+                tokens += s.value
+    return cpu, tokens
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[i]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
+                      model: str | None) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    t0 = time.perf_counter()
+    chunk_times: list[tuple[float, str]] = []
+    usage = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                return {"error": ev["error"]["message"]}
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                text = ch.get("delta", {}).get("content")
+                if text:
+                    chunk_times.append((time.perf_counter(), text))
+    t_end = time.perf_counter()
+    n = (usage or {}).get("completion_tokens", len(chunk_times))
+    spec = (usage or {}).get("speculative") or {}
+    return {"start": t0, "end": t_end, "tokens": n, "chunk_times": [t for t, _ in chunk_times],
+            "ttft": (chunk_times[0][0] - t0) if chunk_times else None,
+            "tau": spec.get("mean_accepted_length")}
+
+
+async def run_level(url: str, prompts: list[list[dict]], concurrency: int, n_requests: int, max_tokens: int,
+                    model: str | None, api_key: str | None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    before = replica_counters(url, api_key)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(n_requests):
+        queue.put_nowait(prompts[i % len(prompts)])
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as client:
+        async def worker():
+            while True:
+                try:
+                    msgs = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results.append(await one_request(client, url, msgs, max_tokens, model))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    itl: list[float] = []
+    tpot: list[float] = []
+    for r in ok:
+        ts = r["chunk_times"]
+        if len(ts) >= 2 and r["tokens"] >= 2:
+            per_chunk = r["tokens"] / len(ts)  # tokens per streamed chunk (a verify cycle's output)
+            itl += [(b - a) / per_chunk for a, b in zip(ts, ts[1:])]
+            tpot.append((ts[-1] - ts[0]) / (r["tokens"] - 1))
+    cpu_per_token = None
+    if before is not None:
+        await asyncio.sleep(2.5)  # replicas publish their counters every metrics_push_s
+        after = replica_counters(url, api_key)
+        if after is not None and after[1] > before[1]:
+            cpu_per_token = (after[0] - before[0]) / (after[1] - before[1])
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    taus = [r["tau"] for r in ok if r["tau"] is not None]
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "error_samples": [r["error"] for r in results if "error" in r][:3],
+        "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "mean_tau": statistics.fmean(taus) if taus else None,
+        "replica_cpu_s_per_token": cpu_per_token,
+    }
+
+
+def load_messages(source: str, limit: int) -> list[list[dict]]:
+    from specdec.prompts import load_prompts
+
+    split = "holdout" if source == "sharegpt" else "all"
+    prompts = load_prompts(source, split=split, limit=limit, max_prompt_chars=1500, min_prompt_chars=20)
+    return [p.messages for p in prompts]
+
+
+def start_apps(args) -> tuple[str, str]:
+    """Start the speculative app at /spec and the AR app at /ar in this process."""
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    common = {"target": args.target, "min_replicas": args.replicas, "max_replicas": args.replicas,
+              "max_batch_size": max(args.concurrency), "max_tokens_limit": max(args.max_tokens, 16),
+              "replica_cpus": args.replica_cpus, "torch_threads": args.torch_threads, "registry_poll_s": 0,
+              "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
+    if args.tracking_uri:
+        common["tracking_uri"] = args.tracking_uri
+    spec = {**common, "drafter": args.drafter, "block_size": args.block_size}
+    ar = {**common, "drafter": "none"}
+    serve.run(build_app(spec), name="spec", route_prefix="/spec")
+    serve.run(build_app(ar), name="ar", route_prefix="/ar")
+    base = f"http://127.0.0.1:{args.port}"
+    return base + "/spec", base + "/ar"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for mode, color, marker in (("spec", "C0", "o"), ("ar", "C1", "s")):
+        rows = report["results"].get(mode) or []
+        if not rows:
+            continue
+        c = [r["concurrency"] for r in rows]
+        ms = lambda key: [(r[key] or 0) * 1e3 for r in rows]  # noqa: E731
+        axes[0].plot(c, [r["tokens_per_s"] for r in rows], marker=marker, color=color, label=mode)
+        for ax, key in ((axes[1], "ttft"), (axes[2], "itl")):
+            ax.plot(c, ms(f"{key}_p50_s"), marker=marker, color=color, label=f"{mode} p50")
+            ax.plot(c, ms(f"{key}_p99_s"), marker=marker, color=color, linestyle=":", alpha=0.6,
+                    label=f"{mode} p99")
+    for ax, title in zip(axes, ("output tokens/s", "TTFT (ms)", "inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    speedups = report.get("speedup") or {}
+    if speedups:
+        fig.suptitle("spec / AR throughput: " + ", ".join(f"c={c}: {s:.2f}x" for c, s in speedups.items()))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="speculative endpoint base URL (without /v1)")
+    ap.add_argument("--ar-url", help="AR endpoint base URL (same app with drafter=none)")
+    ap.add_argument("--start", action="store_true", help="start both apps in-process (ignores --url/--ar-url)")
+    ap.add_argument("--concurrency", default="1,2,4,8,16", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval | a prompt file (specdec.prompts)")
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    ap.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"))
+    ap.add_argument("--out", default="runs/loadtest")
+    # --start only
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--drafter", default="auto")
+    ap.add_argument("--tracking-uri", default=None)
+    ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--replica-cpus", type=float, default=1.0)
+    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--num-cpus", type=int, default=None)
+    ap.add_argument("--port", type=int, default=8011)
+    args = ap.parse_args(argv)
+
+    if args.start:
+        spec_url, ar_url = start_apps(args)
+    else:
+        if not args.url:
+            ap.error("--url is required unless --start is given")
+        spec_url, ar_url = args.url.rstrip("/"), (args.ar_url.rstrip("/") if args.ar_url else None)
+    messages = load_messages(args.prompts, limit=max(args.requests, max(args.concurrency)) * 2)
+    modes = {"spec": spec_url, **({"ar": ar_url} if ar_url else {})}
+    for url in modes.values():  # warm up: first requests pay one-off costs
+        asyncio.run(run_level(url, messages, 1, 1, 8, args.model, args.api_key))
+
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    print(f"{'mode':<5} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'TPOT p50':>9} {'tau':>5} {'cpu/tok':>8} {'err':>4}")
+    for level, c in enumerate(args.concurrency):
+        order = list(modes.items())
+        if level % 2:  # alternate which mode goes first, so drifting machine load favours neither
+            order.reverse()
+        for mode, url in order:
+            row = asyncio.run(run_level(url, messages, c, max(args.requests, c), args.max_tokens, args.model,
+                                        args.api_key))
+            results[mode].append(row)
+            ms = lambda v: f"{v * 1e3:8.0f}ms" if v is not None else "       -"  # noqa: E731
+            tau = f"{row['mean_tau']:5.2f}" if row["mean_tau"] else "    -"
+            cpu = row["replica_cpu_s_per_token"]
+            cpu = f"{cpu * 1e3:6.1f}ms" if cpu is not None else "       -"
+            print(f"{mode:<5} {c:>4} {row['tokens_per_s']:8.1f} {ms(row['ttft_p50_s'])} {ms(row['ttft_p99_s'])}"
+                  f"{ms(row['itl_p50_s'])}{ms(row['itl_p99_s'])} {ms(row['tpot_p50_s'])} {tau} {cpu} "
+                  f"{row['errors']:>4}", flush=True)
+    speedup, cpu_speedup = {}, {}
+    if "ar" in results:
+        for s, a in zip(results["spec"], results["ar"]):
+            if a["tokens_per_s"]:
+                speedup[str(s["concurrency"])] = s["tokens_per_s"] / a["tokens_per_s"]
+            if s["replica_cpu_s_per_token"] and a["replica_cpu_s_per_token"]:
+                cpu_speedup[str(s["concurrency"])] = a["replica_cpu_s_per_token"] / s["replica_cpu_s_per_token"]
+        print("spec/AR throughput:         " + "  ".join(f"c={c}: {v:.2f}x" for c, v in speedup.items()))
+        if cpu_speedup:  # robust to other load on the machine: tokens per replica CPU second
+            print("spec/AR tokens per CPU-sec: " + "  ".join(f"c={c}: {v:.2f}x" for c, v in cpu_speedup.items()))
+    report = {"urls": modes, "max_tokens": args.max_tokens, "requests_per_level": args.requests,
+              "prompts": args.prompts, "results": results, "speedup": speedup, "cpu_speedup": cpu_speedup,
+              "started_in_process": args.start, "drafter": args.drafter if args.start else None}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "loadtest.png")
+    print(f"wrote {out / 'loadtest.json'} and {out / 'loadtest.png'}")
+    if args.start:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

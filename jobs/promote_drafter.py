@@ -1,0 +1,146 @@
+"""Evaluate a drafter version against @champion and promote it; roll back; list (logic:
+pipelines/promote.py).
+
+    python jobs/promote_drafter.py --model dflash-smollm2-135m --list
+    python jobs/promote_drafter.py --model dflash-smollm2-135m --challenger latest --prompts sharegpt \\
+        --num-prompts 8 --max-new-tokens 64
+    python jobs/promote_drafter.py --model dflash-smollm2-135m --rollback
+    ray job submit --working-dir . -- python jobs/promote_drafter.py --target smollm2-135m --challenger 3
+
+One run measures the target alone (ar), the champion's drafter and the challenger's drafter
+side by side, interleaved, with the real engine: exactness (greedy token identity with ar
+on every prompt), tau and speedup vs ar. The challenger is promoted (@champion moves to it,
+@previous keeps the old champion) only when it is exact and its --metric beats the
+champion's by --margin (relative); the first exact version becomes champion.
+Exit codes: 0 promoted / would promote (--dry-run) / listed / rolled back; 1 refused (the
+reason is printed); 2 usage or registry errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the (uploaded) working dir's packages
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+# MLflow's client retries a dead server for minutes by default; a job should fail within seconds
+FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from pipelines.promote import DEFAULT_MARGIN, DEFAULT_METRIC, METRICS
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--list", action="store_true", help="show versions, aliases, lineage and evaluation tags")
+    what.add_argument("--rollback", action="store_true",
+                      help="@champion <- @previous, @previous <- the demoted champion")
+    ap.add_argument("--model", default=None, help="registered model (default: dflash-<slug of --target>, "
+                                                  "the name training registers)")
+    ap.add_argument("--target", default=None,
+                    help="target dir / .gguf / id to evaluate with (default: the model's lineage tag "
+                         "target_model, else the embedded SmolLM2-135M-Instruct); also names the model")
+    ap.add_argument("--target-dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
+                    help="dtype to load the target in (its identity must match training's)")
+    ap.add_argument("--challenger", default="latest", help="version number, 'latest' or an alias (default: latest)")
+    ap.add_argument("--prompts", default="sharegpt",
+                    help="held-out prompts: sharegpt (holdout split) | humaneval | path (.jsonl, .json, .parquet)")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None, help="draft block size (default: each drafter's own)")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--metric", default=DEFAULT_METRIC, choices=METRICS,
+                    help=f"what the challenger must improve (default: {DEFAULT_METRIC})")
+    ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help=f"relative improvement required over the champion (default: {DEFAULT_MARGIN} = "
+                         f"{DEFAULT_MARGIN:.0%})")
+    ap.add_argument("--dry-run", action="store_true", help="evaluate and log, decide, but move no alias")
+    ap.add_argument("--tracking-uri", default=None,
+                    help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else the embedded sqlite)")
+    ap.add_argument("--experiment", default=None, help="MLflow experiment of evaluation runs "
+                                                      "(default: <model>-promotion)")
+    ap.add_argument("--out", default=None, help="also keep benchmark.json / .png / decision.json in this directory")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse: 0 for --help, 2 for bad flags
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    from pipelines import promote as P
+
+    try:
+        name = P.model_name(args.model, args.target)
+        if args.list:
+            rows = P.list_versions(args.tracking_uri, name)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+            else:
+                print(f"{name}: {len(rows)} version(s)")
+                print(P.format_table(rows))
+            return 0
+        if args.rollback:
+            rb = P.rollback(args.tracking_uri, name)
+            print(f"rolled back {name}: @champion v{rb.champion_before} -> v{rb.champion_after}; "
+                  f"@previous -> v{rb.previous_after}")
+            return 0
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        cfg = P.PromoteConfig(
+            tracking_uri=args.tracking_uri, model=name, target=args.target, target_dtype=args.target_dtype,
+            challenger=args.challenger, prompts=args.prompts, num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
+            margin=args.margin, metric=args.metric, dry_run=args.dry_run, experiment=args.experiment,
+            seed=args.seed, out=args.out)
+        try:
+            outcome = P.promote(cfg)
+        except P.RefusedWithOutcome as r:
+            _show(r.outcome, args.json)
+            return 1
+        _show(outcome, args.json)
+        return 0
+    except P.Refused as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    except P.PromoteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _show(outcome, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(outcome.as_dict(), indent=1, default=str))
+    else:
+        print(_format(outcome))
+    if not outcome.decision.promote:
+        print(f"refused: {outcome.decision.reason}", file=sys.stderr)
+
+
+def _format(outcome) -> str:
+    from pipelines.promote import format_evaluation
+
+    return format_evaluation(outcome)
+
+
+if __name__ == "__main__":
+    for key, value in FAST_FAIL_ENV.items():
+        os.environ.setdefault(key, value)
+    sys.exit(main())

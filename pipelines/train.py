@@ -1,0 +1,723 @@
+"""Ray Train drafter training: ``fit(recipe)`` on the driver, ``train_loop_per_worker``
+on every worker.
+
+Driver (:func:`fit`): loads the target once (its identity decides which feature runs are
+acceptable and is the drafter's lineage), checks the feature manifest, builds the drafter
+config and its initial weights, opens (or reopens) the MLflow run, hands a
+``TorchTrainer`` the training rows (streamed and split across workers) and the held-out
+rows (every worker sees them, each evaluates its share), then exports the checkpoint with
+the best held-out tau as a drafter directory and registers it in MLflow.
+
+Worker (:func:`train_loop_per_worker`): the drafter plus the target's frozen embedding and
+LM head (the whole target only in online mode, where it computes the features), AdamW
+with warmup + cosine, DDP or DeepSpeed ZeRO; evaluates held-out simulated acceptance every
+``eval_every`` steps and at each epoch end, and reports a checkpoint each time. Ray Train
+keeps the best ``keep_best`` by held-out tau (and always the latest, which resuming uses:
+after a worker failure, or when the same run name is run again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipelines import registry, storage
+from pipelines.config import ConfigError
+from pipelines.train_config import TrainRecipe, TrainSection
+from pipelines.train_data import Collate, manifest_sha256, read_sequences, split_holdout
+from pipelines.train_runner import DRAFTER_DIR, DrafterLoss, TrainState, make_runner
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-step"
+#: environment the driver forwards to its workers: the model cache, knobs, test fault injection
+FORWARDED_ENV = ("DFLASH_CACHE", "DFLASH_DEEPSPEED_SHM", "DFLASH_FAIL_AT_STEP", "DFLASH_FAIL_MARKER", "HF_HUB_OFFLINE")
+
+
+# ============================================================================ schedule
+def lr_at(progress: float, lr: float, warmup: float, min_ratio: float) -> float:
+    """Linear warmup over the first ``warmup`` share of training, then cosine to
+    ``lr * min_ratio``; ``progress`` in [0, 1] (training samples seen / planned)."""
+    progress = min(max(progress, 0.0), 1.0)
+    if warmup > 0 and progress < warmup:
+        return lr * progress / warmup
+    t = (progress - warmup) / max(1e-12, 1 - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ============================================================================ worker
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker: resume or start, train, evaluate, checkpoint."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from specdec.drafter import DFlashDrafter, DrafterConfig
+
+    tc = TrainSection(**config["train"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(tc.threads_per_worker or max(1, int(tc.cpus_per_worker)))
+    device = ray.train.torch.get_device() if tc.use_gpu else torch.device("cpu")
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+    use_flex = tc.attention == "flex" or (tc.attention == "auto" and device.type == "cuda")
+
+    target = _load_worker_target(config["target"], tc.online, device, torch.bfloat16 if bf16 else torch.float32)
+    drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
+    drafter.load_state_dict(ray.get(config["init_state"]))  # identical start on every worker
+    module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex)
+    runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
+                         weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
+
+    state = TrainState(world_size=world, strategy=tc.strategy)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            saved = TrainState.load(d)
+            runner.load(Path(d), saved)
+        state = dataclasses.replace(saved, world_size=world, strategy=tc.strategy, resumed_from_step=saved.step,
+                                    batch_in_epoch=saved.batch_in_epoch * saved.world_size // world)
+        if rank == 0:
+            print(f"[train] resumed from step {saved.step} (epoch {saved.epoch}, {saved.samples} samples)", flush=True)
+
+    train_rows = max(1, int(config["train_rows"]))
+    total_samples = tc.epochs * train_rows
+    if tc.max_steps is not None:
+        total_samples = min(total_samples, tc.max_steps * tc.batch_size * world)
+    collate = Collate(config["layout"], tc.max_length, torch.bfloat16 if bf16 else torch.float32)
+    train_shard = ray.train.get_dataset_shard("train")
+    holdout = ray.train.get_dataset_shard("holdout")
+    mlflow = config["mlflow"]
+    live = rank == 0 and mlflow["live"]
+    metrics_log = registry.MetricsLogger(mlflow["tracking_uri"] if live else None, mlflow["run_id"])
+    fail_at = int(os.environ.get("DFLASH_FAIL_AT_STEP", "0") or 0)
+    window = _Window(drafter.config.block_size)
+    generator = torch.Generator(device=device)
+
+    def evaluate_and_report(with_checkpoint: bool) -> bool:
+        """Held-out evaluation, history, MLflow, ``ray.train.report``; True to stop early."""
+        t0 = time.perf_counter()
+        ev = evaluate(runner, holdout, collate, tc, device, rank, world,
+                      shard=not (tc.strategy == "deepspeed" and tc.zero_stage == 3))
+        state.train_seconds += time.perf_counter() - t0
+        improved = state.best_tau is None or ev["holdout_tau"] > state.best_tau
+        if state.step > 0:
+            state.best_tau, state.best_step = (ev["holdout_tau"], state.step) if improved else (state.best_tau,
+                                                                                                state.best_step)
+            state.evals_since_best = 0 if improved else state.evals_since_best + 1
+        record = {"step": state.step, "epoch": round(state.samples / train_rows, 4), "samples": state.samples,
+                  **ev, **window.summary_since_eval(), "train_seconds": round(state.train_seconds, 2)}
+        state.history.append(record)
+        flat = {k: v for k, v in record.items() if not isinstance(v, list)}
+        flat.update({f"holdout_acc_{k + 1}": a for k, a in enumerate(ev["holdout_acc"])})
+        if rank == 0:
+            print(f"[eval] step {state.step} | epoch {record['epoch']:.2f} | holdout tau {ev['holdout_tau']:.3f} | "
+                  f"loss {ev['holdout_loss']:.4f} | acc@1..3 "
+                  + " ".join(f"{a:.3f}" for a in ev["holdout_acc"][:3]), flush=True)
+            metrics_log.log({k: v for k, v in flat.items() if k.startswith("holdout_")} | {"epoch": record["epoch"]},
+                            state.step)
+            metrics_log.flush()
+        if with_checkpoint:
+            _save_and_report(runner, state, rank, flat)
+        else:
+            ray.train.report(flat)
+        window.pause(time.perf_counter() - t0)  # evaluations and checkpoints are not training throughput
+        return tc.early_stop_patience is not None and state.evals_since_best >= tc.early_stop_patience
+
+    if state.step == 0 and not state.history:
+        evaluate_and_report(with_checkpoint=False)  # the baseline: the untrained drafter
+
+    def finished() -> bool:
+        return state.epoch >= tc.epochs or (tc.max_steps is not None and state.step >= tc.max_steps)
+
+    stop = finished()
+    while not stop:
+        batches = train_shard.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow", prefetch_batches=2,
+                                           local_shuffle_buffer_size=tc.shuffle_buffer or None,
+                                           local_shuffle_seed=tc.seed + state.epoch if tc.shuffle_buffer else None)
+        for i, raw in enumerate(batches):
+            if i < state.batch_in_epoch:
+                continue  # consumed before the checkpoint this attempt resumed from
+            t0 = time.perf_counter()
+            batch = collate(raw).to(device)
+            lr = lr_at((state.samples + batch.rows * world) / total_samples, tc.lr, tc.warmup, tc.min_lr_ratio)
+            generator.manual_seed(_step_seed(tc.seed, rank, state.step))
+            out = runner.train_step(batch, tc.num_anchors, lr, generator)
+            state.step += 1
+            state.batch_in_epoch += 1
+            state.samples += batch.rows * world
+            state.train_seconds += time.perf_counter() - t0
+            window.add(out, batch.rows)
+            if state.step % tc.log_every == 0:
+                stats = window.flush(device)  # a collective: every rank logs at the same steps
+                if rank == 0:
+                    stats.update(lr=lr, epoch=round(state.samples / train_rows, 4), samples=state.samples)
+                    print(f"[train] step {state.step} | epoch {stats['epoch']:.2f} | loss {stats['train_loss']:.4f} | "
+                          f"tau {stats['train_tau']:.3f} | acc@1 {stats['train_acc_1']:.3f} | lr {lr:.2e} | "
+                          f"{stats['block_tokens_per_s']:.0f} block tok/s", flush=True)
+                    metrics_log.log(stats, state.step)
+            if fail_at and state.step == fail_at and rank == 0:
+                _inject_failure()
+            if tc.eval_every and state.step % tc.eval_every == 0:
+                if evaluate_and_report(with_checkpoint=True):
+                    stop = True
+                    break
+            if tc.max_steps is not None and state.step >= tc.max_steps:
+                break
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            if state.history[-1]["step"] != state.step and evaluate_and_report(with_checkpoint=True):
+                stop = True
+        stop = stop or finished()
+    if state.history[-1]["step"] != state.step:
+        evaluate_and_report(with_checkpoint=True)
+    metrics_log.flush()
+
+
+def _load_worker_target(spec: dict, online: bool, device: torch.device, compute_dtype: torch.dtype):
+    """Online: the whole target (it computes features). Stored features: only its
+    embedding and LM head, the rest stays on the meta device."""
+    from specdec.frozen import load_embed_and_head
+    from specdec.target import load_target
+
+    if online:
+        return load_target(spec["model"], dtype=spec["dtype"], device=device,
+                           trust_remote_code=spec["trust_remote_code"])
+    dtype = compute_dtype if device.type == "cuda" else getattr(torch, spec["dtype"])
+    return load_embed_and_head(spec["model"], dtype=dtype, device=device,
+                               trust_remote_code=spec["trust_remote_code"], identity=spec["identity"])
+
+
+def _step_seed(seed: int, rank: int, step: int) -> int:
+    """Anchors of a step depend on (seed, rank, step) only: a resumed run draws the same."""
+    return (seed * 1_000_003 + rank * 7_919 + step * 104_729) % (2**63 - 1)
+
+
+def _inject_failure() -> None:
+    """Test hook: die once at ``$DFLASH_FAIL_AT_STEP``, as a killed worker would. The
+    marker file makes the restarted worker live on."""
+    marker = os.environ.get("DFLASH_FAIL_MARKER")
+    if marker and not os.path.exists(marker):
+        Path(marker).write_text(str(os.getpid()))
+        print(f"[train] DFLASH_FAIL_AT_STEP reached: worker {os.getpid()} exits", flush=True)
+        os._exit(1)
+
+
+def _save_and_report(runner, state: TrainState, rank: int, metrics: dict) -> None:
+    import ray.train
+
+    name = f"{CHECKPOINT_PREFIX}{state.step:08d}"
+    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+        wrote = runner.save(Path(tmp), state, rank)
+        ckpt = ray.train.Checkpoint.from_directory(tmp) if wrote else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name)
+    # The controller registers a reported checkpoint when it next polls the workers; a worker
+    # that died before that poll would leave its restart nothing to resume from. Wait until
+    # the checkpoint is committed to the run's snapshot (at most one poll interval).
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def _all_reduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on = t.to(device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(on)
+        return on.cpu()
+    return t
+
+
+@torch.no_grad()
+def evaluate(runner, holdout, collate: Collate, tc: TrainSection, device: torch.device, rank: int, world: int,
+             shard: bool = True) -> dict:
+    """Held-out loss, per-offset accuracy and simulated greedy tau over every held-out
+    sequence. Anchors are drawn from a seed fixed by the batch's sample ids, so every
+    evaluation of a run scores the same blocks. With ``shard`` each worker evaluates every
+    ``world``-th batch and the sums are all-reduced (ZeRO-3 needs every rank in every
+    forward, so there each rank evaluates all batches)."""
+    B1 = runner.drafter.config.block_size - 1
+    anchors = tc.eval_anchors or tc.num_anchors
+    # sums: weighted loss, labelled tokens, leading matches, blocks, rows, hits per offset, labels per offset
+    sums = torch.zeros(5 + 2 * B1, dtype=torch.float64)
+    for j, raw in enumerate(holdout.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow")):
+        if shard and j % world != rank:
+            continue
+        batch = collate(raw).to(device)
+        gen = torch.Generator(device=device).manual_seed(batch.seed(tc.seed))
+        out = runner.eval_step(batch, anchors, gen)
+        if out.n_blocks == 0:
+            continue
+        count = out.acc_count.double().cpu()
+        sums[0] += float(out.loss) * out.n_tokens
+        sums[1] += out.n_tokens
+        sums[2] += (float(out.tau) - 1) * out.n_blocks
+        sums[3] += out.n_blocks
+        sums[4] += batch.rows
+        sums[5: 5 + B1] += out.acc.double().cpu() * count
+        sums[5 + B1:] += count
+    if shard:
+        sums = _all_reduce(sums, device)
+    if sums[3] == 0:
+        raise RuntimeError("the held-out set has no response tokens to evaluate")
+    return {"holdout_loss": float(sums[0] / sums[1].clamp(min=1)), "holdout_tau": float(1 + sums[2] / sums[3]),
+            "holdout_acc": [round(float(h / max(c, 1)), 5) for h, c in zip(sums[5: 5 + B1], sums[5 + B1:])],
+            "holdout_blocks": int(sums[3]), "holdout_rows": int(sums[4])}
+
+
+class _Window:
+    """Running training statistics between progress lines and between evaluations."""
+
+    def __init__(self, block_size: int):
+        self.B1 = block_size - 1
+        self.block_size = block_size
+        self.since_eval: list[dict] = []
+        self._reset()
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation) out of the throughput window."""
+        self.t0 += seconds
+
+    def _reset(self):
+        # weighted loss, labelled tokens, leading matches, blocks, block tokens, rows, hits@k, labels@k
+        self.sums = torch.zeros(6 + 2 * self.B1, dtype=torch.float64)
+        self.t0 = time.perf_counter()
+
+    def add(self, out, rows: int) -> None:
+        s, B1 = self.sums, self.B1
+        count = out.acc_count.double().cpu()
+        s[0] += float(out.loss.detach()) * out.n_tokens
+        s[1] += out.n_tokens
+        s[2] += (float(out.tau) - 1) * out.n_blocks if out.n_blocks else 0.0
+        s[3] += out.n_blocks
+        s[4] += out.n_blocks * self.block_size
+        s[5] += rows
+        s[6: 6 + B1] += out.acc.detach().double().cpu() * count
+        s[6 + B1:] += count
+
+    def flush(self, device) -> dict:
+        """Statistics of all workers since the last call (a collective)."""
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        s = _all_reduce(self.sums.clone(), device)
+        self._reset()
+        s = [float(x) for x in s]
+        stats = {"train_loss": s[0] / max(s[1], 1.0), "train_tau": 1 + s[2] / max(s[3], 1.0),
+                 "train_acc_1": s[6] / max(s[6 + self.B1], 1.0),
+                 "block_tokens_per_s": s[4] / wall, "rows_per_s": s[5] / wall}
+        self.since_eval.append(stats)
+        return stats
+
+    def summary_since_eval(self) -> dict:
+        """Mean training loss / tau / throughput over the progress lines since the last eval."""
+        lines, self.since_eval = self.since_eval, []
+        if not lines:
+            return {}
+        keys = ("train_loss", "train_tau", "block_tokens_per_s", "rows_per_s")
+        return {k: round(sum(x[k] for x in lines) / len(lines), 5) for k in keys}
+
+
+# ============================================================================ driver
+@dataclass
+class FitResult:
+    run_name: str
+    run_uri: str  # <storage_path>/<run_name>: Ray Train's run directory
+    checkpoint: str  # the best checkpoint (by held-out tau)
+    drafter_dir: str  # the exported drafter
+    holdout_tau: float | None
+    best_step: int | None
+    steps: int
+    samples: int
+    resumed_from_step: int | None
+    history: list[dict]
+    tracking_uri: str
+    mlflow_run_id: str
+    model_name: str | None
+    model_version: str | None
+    seconds: float
+    learning_curve: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Plan:
+    """What the driver worked out before starting the trainer."""
+
+    target: dict
+    drafter_config: object
+    init_state: dict
+    datasets: dict
+    layout: dict | None
+    train_rows: int
+    lineage: dict
+    tracking_uri: str
+    run_id: str
+    run_uri: str
+    storage_options: dict
+    resume: TrainState | None
+    mlflow_live: bool  # workers can reach the tracking store (else the driver logs evaluations at the end)
+
+
+def fit(recipe: TrainRecipe) -> FitResult:
+    """Train (or resume) the run ``recipe.train.run_name``; export and register the best
+    drafter. Connects to the current Ray cluster (``ray.init()`` if none)."""
+    import ray
+
+    t0 = time.perf_counter()
+    if not ray.is_initialized():
+        ray.init()
+    plan = _prepare(recipe)
+    log.info("prepared run %s in %.1f s (%d training rows, resume from step %s)", recipe.train.run_name,
+             time.perf_counter() - t0, plan.train_rows, plan.resume.step if plan.resume else None)
+    trainer = _trainer(recipe, plan)
+    t1 = time.perf_counter()
+    try:
+        result = trainer.fit()
+    except BaseException:
+        _safe(lambda: registry.finish_run(plan.tracking_uri, plan.run_id, "FAILED"))
+        raise
+    log.info("Ray Train finished in %.1f s", time.perf_counter() - t1)
+    t2 = time.perf_counter()
+    out = _finish(recipe, plan, result, time.perf_counter() - t0)
+    log.info("exported and registered in %.1f s", time.perf_counter() - t2)
+    return out
+
+
+def _prepare(recipe: TrainRecipe) -> _Plan:
+    """Everything that can be checked is checked here, cheapest first, before any worker
+    starts: the target, its feature run, the drafter shape against an existing run."""
+    import ray
+
+    from pipelines.feature_format import FeatureLayout, tokenizer_fingerprint
+    from pipelines.features import load_manifest
+    from specdec.drafter import DFlashDrafter, drafter_config_for_target, init_from_target
+    from specdec.target import load_target
+
+    tc, dc, spec = recipe.train, recipe.drafter, recipe.features.target
+    target = load_target(spec.model, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+    tok_hash = tokenizer_fingerprint(target.tokenizer)["hash"] if target.tokenizer is not None else None
+    options = storage.resolve_options(recipe.features_uri, recipe.features.storage.options)
+
+    # ---- the feature run (absent only for online training from token sequences)
+    manifest = manifest_uri = None
+    if not (tc.online and tc.sequences):
+        manifest_uri = storage.absolute_uri(recipe.features_uri)
+        try:
+            manifest = load_manifest(manifest_uri, options)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{'train.features' if tc.features else 'features.output'}: {e}") from None
+    layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
+
+    # ---- the drafter, and the run it may resume
+    cfg = drafter_config_for_target(target, num_hidden_layers=dc.num_layers, block_size=dc.block_size,
+                                    target_layer_ids=layer_ids, mask_token_id=dc.mask_token_id,
+                                    intermediate_size=dc.intermediate_size)
+    run_uri = storage.join(storage.absolute_uri(tc.storage_path), tc.run_name)
+    resume, resume_cfg = _latest_checkpoint_state(run_uri, tc.storage_options)
+    if resume_cfg is not None:
+        _check_same_drafter(resume_cfg, cfg, tc.run_name, run_uri)
+    torch.manual_seed(tc.seed)
+    drafter = DFlashDrafter(cfg)
+    if dc.init_from_target:
+        init_from_target(drafter, target)
+    init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
+
+    # ---- data
+    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options)
+
+    # ---- MLflow (the run of a resumed training continues)
+    tracking_uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
+    lineage = {
+        "target_model": spec.model, "target_identity": target.identity, "tokenizer_hash": tok_hash,
+        "features_uri": manifest_uri or storage.absolute_uri(tc.sequences),
+        "features_manifest_sha256": manifest_sha256(manifest_uri, options) if manifest_uri else None,
+        "config_sha256": recipe.config_hash(), "git_commit": registry.git_commit(), "run_name": tc.run_name,
+        "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
+        "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online,
+    }
+    run_id = registry.start_run(
+        tracking_uri, recipe.registry.experiment or recipe.model_name, tc.run_name,
+        tags={f"dflash.{k}": v for k, v in lineage.items() if v is not None} | {"dflash.run_uri": run_uri},
+        resume_run_id=(resume_cfg or {}).get("dflash_ray", {}).get("mlflow_run_id"))
+    registry.log_params(tracking_uri, run_id, recipe.as_dict())
+    lineage["mlflow_run_id"] = run_id
+    cfg.extra = dict(lineage)
+
+    mlflow_live = not registry.is_local_store(tracking_uri) or _single_node()
+    if not mlflow_live:
+        log.warning("MLflow store %s is local to this node and the cluster has several: workers will not log "
+                    "live metrics (the driver logs the evaluations at the end); set MLFLOW_TRACKING_URI to a "
+                    "server for live metrics", tracking_uri)
+
+    layout = FeatureLayout.from_manifest(manifest).as_dict() if manifest is not None and not tc.online else None
+    return _Plan(target=dataclasses.asdict(spec) | {"identity": target.identity}, drafter_config=cfg,
+                 init_state=ray.put(init_state), datasets=datasets, layout=layout, train_rows=train_rows,
+                 lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
+                 storage_options=tc.storage_options, resume=resume, mlflow_live=mlflow_live)
+
+
+def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri: str | None) -> list[int]:
+    """The target layers the drafter reads: stored features fix them; online features
+    take the recipe's (or the paper's spacing)."""
+    from specdec.target import default_target_layer_ids
+
+    dc = recipe.drafter
+    if recipe.train.online:
+        layer_ids = list(dc.layer_ids or default_target_layer_ids(target.num_layers, dc.num_features))
+    else:
+        layer_ids = list(dc.layer_ids or manifest["layer_ids"])
+        if layer_ids != list(manifest["layer_ids"]):
+            raise ConfigError(f"drafter.layer_ids: {layer_ids} but the feature run at {manifest_uri} holds layers "
+                              f"{manifest['layer_ids']}; leave it null or train with online features")
+    if any(not 0 <= i < target.num_layers for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError(f"drafter.layer_ids: {layer_ids} are not distinct layers of a {target.num_layers}-layer "
+                          "target")
+    return layer_ids
+
+
+def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manifest_uri, options):
+    """({"train": streamed rows, "holdout": materialised rows}, training rows estimate).
+    Feature runs are checked against the target (identity, tokenizer; layers and width
+    unless the features are computed online)."""
+    from pipelines.features import read_features
+
+    tc = recipe.train
+    expect = {"target_identity": target.identity, "tokenizer_hash": tok_hash}
+    if not tc.online:
+        expect.update(layer_ids=list(layer_ids), hidden_size=target.hidden_size)
+
+    def feature_run(uri):
+        ds = read_features(storage.absolute_uri(uri), storage_options=options, **expect)
+        return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.online else ds
+
+    def source(uri, field_name):
+        if tc.online and tc.sequences:
+            return read_sequences(uri, tc.storage_options or options, field_name)
+        return feature_run(uri)
+
+    train_ds = source(tc.sequences or manifest_uri, "train.sequences")
+    if tc.holdout:
+        holdout_ds = source(tc.holdout, "train.holdout")
+    elif tc.holdout_fraction > 0:
+        holdout_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=True)
+        train_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=False)
+    else:
+        raise ConfigError("train.holdout_fraction: evaluation needs held-out rows; set a fraction > 0 or "
+                          "train.holdout")
+    for ds in (train_ds, holdout_ds):  # workers print their own progress lines
+        ds.context.enable_progress_bars = False
+    holdout_ds = holdout_ds.limit(tc.eval_samples).materialize()
+    holdout_ds.context.enable_progress_bars = False
+    if holdout_ds.count() == 0:
+        raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
+                          "train.holdout")
+    if manifest is not None and not (tc.online and tc.sequences):
+        train_rows = int(manifest["num_samples"] * (1 if tc.holdout else 1 - tc.holdout_fraction))
+    else:
+        train_rows = train_ds.count()
+    return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows)
+
+
+def _latest_checkpoint_state(run_uri: str, options: dict) -> tuple[TrainState | None, dict | None]:
+    """The newest checkpoint of a run that already exists: (its state, its drafter config)."""
+    import json
+
+    fs, root = storage.filesystem(run_uri, options)
+    names = [p for p in storage.list_files(fs, root) if Path(p).name.startswith(CHECKPOINT_PREFIX)]
+    for path in sorted(names, reverse=True):
+        try:
+            state = json.loads(fs.cat_file(storage.join(path, "state.json")))
+            cfg = json.loads(fs.cat_file(storage.join(path, DRAFTER_DIR, "config.json")))
+        except FileNotFoundError:
+            continue  # a checkpoint being written or deleted
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        return TrainState(**{k: v for k, v in state.items() if k in known}), cfg
+    return None, None
+
+
+def _check_same_drafter(saved: dict, cfg, run_name: str, run_uri: str) -> None:
+    """A resumed run must train the same drafter shape; name the first field that differs."""
+    now = cfg.to_hf_dict()
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "block_size"):
+        if saved.get(key) != now.get(key):
+            field_name = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter.block_size",
+                          "intermediate_size": "drafter.intermediate_size"}.get(key, f"drafter ({key})")
+            raise ConfigError(f"{field_name}: run '{run_name}' at {run_uri} was trained with {key}={saved.get(key)}, "
+                              f"the recipe now gives {now.get(key)}; use another train.run_name to start afresh")
+    for key in ("target_layer_ids", "mask_token_id"):
+        if saved["dflash_config"].get(key) != now["dflash_config"].get(key):
+            raise ConfigError(f"drafter.{'layer_ids' if key == 'target_layer_ids' else key}: run '{run_name}' at "
+                              f"{run_uri} was trained with {saved['dflash_config'].get(key)}, the recipe now gives "
+                              f"{now['dflash_config'].get(key)}; use another train.run_name")
+
+
+def _ray_storage(uri: str, options: dict):
+    """(storage_path, storage_filesystem) for Ray Train: local paths as they are; S3 with
+    explicit endpoint or credentials through a pyarrow filesystem built from them."""
+    if "://" not in uri or uri.startswith("file://"):
+        return storage.absolute_uri(uri), None
+    opts = storage.resolve_options(uri, options)
+    if uri.startswith(("s3://", "s3a://")) and (opts.get("endpoint_url") or opts.get("key")):
+        import pyarrow.fs as pafs
+
+        client_kwargs = opts.get("client_kwargs") or {}
+        fs = pafs.S3FileSystem(access_key=opts.get("key"), secret_key=opts.get("secret"),
+                               session_token=opts.get("token"), region=client_kwargs.get("region_name"),
+                               endpoint_override=opts.get("endpoint_url"))
+        return uri.split("://", 1)[1], fs
+    return uri, None
+
+
+def _trainer(recipe: TrainRecipe, plan: _Plan):
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    tc = recipe.train
+    storage_path, storage_fs = _ray_storage(tc.storage_path, tc.storage_options)
+    resources = {"CPU": tc.cpus_per_worker} | ({"GPU": 1} if tc.use_gpu else {})
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    run_config = RunConfig(
+        name=tc.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
+        failure_config=FailureConfig(max_failures=tc.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_best, checkpoint_score_attribute="holdout_tau",
+                                           checkpoint_score_order="max"),
+        worker_runtime_env={"env_vars": env} if env else None,
+    )
+    config = {
+        "train": dataclasses.asdict(tc), "drafter": plan.drafter_config.as_dict(), "init_state": plan.init_state,
+        "target": plan.target, "layout": plan.layout, "train_rows": plan.train_rows,
+        "lam": tc.loss_lambda, "mlflow": {"tracking_uri": plan.tracking_uri, "run_id": plan.run_id,
+                                          "live": plan.mlflow_live},
+    }
+    del ray
+    return TorchTrainer(train_loop_per_worker, train_loop_config=config,
+                        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
+                                                     resources_per_worker=resources),
+                        run_config=run_config, datasets=plan.datasets,
+                        dataset_config=DataConfig(datasets_to_split=["train"]))
+
+
+def _single_node() -> bool:
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+
+
+def _finish(recipe: TrainRecipe, plan: _Plan, result, seconds: float) -> FitResult:
+    """Export the best checkpoint, log it and the learning curve, register a version."""
+    from pipelines.train_bench import write_learning_curve
+    from specdec.checkpoint import load_drafter, save_drafter
+
+    tc = recipe.train
+    scored = [(c, m) for c, m in (result.best_checkpoints or []) if m.get("holdout_tau") is not None]
+    if not scored:
+        raise RuntimeError(f"run {tc.run_name} reported no checkpoint with a held-out tau")
+    best_ckpt, best = max(scored, key=lambda cm: (cm[1]["holdout_tau"], cm[1].get("step", 0)))
+    with result.checkpoint.as_directory() as d:
+        final = TrainState.load(d)
+    export_uri = storage.absolute_uri(tc.export) if tc.export else storage.join(plan.run_uri, DRAFTER_DIR)
+    uri, run_id = plan.tracking_uri, plan.run_id
+    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
+        # ---- the drafter directory, with its lineage
+        with best_ckpt.as_directory() as d:
+            drafter = load_drafter(Path(d) / DRAFTER_DIR)
+        drafter.config.extra.update(plan.lineage)
+        drafter.config.extra.update(holdout_tau=float(best["holdout_tau"]), best_step=int(best["step"]),
+                                    samples=int(best["samples"]), checkpoint=_checkpoint_uri(best_ckpt))
+        bf16 = tc.precision == "bf16" or (tc.precision == "auto" and tc.use_gpu)
+        local = Path(tmp) / DRAFTER_DIR
+        save_drafter(drafter, local, dtype=torch.bfloat16 if bf16 else torch.float32)
+        _publish_dir(local, export_uri, tc.storage_options)
+        curve_dir = Path(tmp) / "eval"
+        curve = write_learning_curve(final.history, curve_dir, title=f"{tc.run_name}: held-out tau")
+        _publish_dir(curve_dir, storage.join(plan.run_uri, "eval"), tc.storage_options)
+
+        # ---- MLflow: artifacts, final metrics, a registered version
+        if not plan.mlflow_live:
+            logger = registry.MetricsLogger(uri, run_id)
+            for rec in final.history:
+                logger.log({k: v for k, v in rec.items() if k.startswith("holdout_") and not isinstance(v, list)},
+                           rec["step"])
+            logger.flush()
+        source = registry.log_artifacts(uri, run_id, local, DRAFTER_DIR)
+        registry.log_artifacts(uri, run_id, curve_dir, "eval")
+        registry.MetricsLogger(uri, run_id, flush_every=1).log(
+            {"best_holdout_tau": best["holdout_tau"], "best_step": best["step"]}, final.step)
+        version = None
+        if recipe.registry.register:
+            version = _registered_version(recipe, plan, final, int(best["step"]))
+            if version is None:
+                version = registry.register_drafter(uri, run_id, source, recipe.model_name,
+                                                    registry.lineage_tags(drafter.config.extra),
+                                                    description=f"run {tc.run_name}, best step {best['step']}")
+                registry.client(uri).set_tag(run_id, "dflash.model_version", f"{recipe.model_name}/{version}")
+        registry.finish_run(uri, run_id)
+    return FitResult(
+        run_name=tc.run_name, run_uri=plan.run_uri, checkpoint=_checkpoint_uri(best_ckpt), drafter_dir=export_uri,
+        holdout_tau=float(best["holdout_tau"]), best_step=int(best["step"]), steps=final.step,
+        samples=final.samples, resumed_from_step=_first_resume(plan, final), history=final.history,
+        tracking_uri=plan.tracking_uri, mlflow_run_id=plan.run_id,
+        model_name=recipe.model_name if version else None, model_version=version, seconds=round(seconds, 2),
+        learning_curve=storage.join(plan.run_uri, "eval", Path(curve["png"]).name) if curve.get("png") else None,
+        extra=dict(drafter.config.extra))
+
+
+def _registered_version(recipe: TrainRecipe, plan: _Plan, final: TrainState, best_step: int) -> str | None:
+    """The version this run already registered, when this call trained nothing new (the
+    same run name run again after it finished): registering it twice would add nothing."""
+    if plan.resume is None or final.step != plan.resume.step:
+        return None
+    tag = registry.client(plan.tracking_uri).get_run(plan.run_id).data.tags.get("dflash.model_version", "")
+    name, _, version = tag.rpartition("/")
+    if name != recipe.model_name or not version:
+        return None
+    tags = registry.client(plan.tracking_uri).get_model_version(name, version).tags
+    return version if tags.get("best_step") == str(best_step) else None
+
+
+def _first_resume(plan: _Plan, final: TrainState) -> int | None:
+    """The step this fit() started from: the run's state before the call, else the step a
+    restarted worker group resumed from during it."""
+    return plan.resume.step if plan.resume is not None else final.resumed_from_step
+
+
+def _checkpoint_uri(ckpt) -> str:
+    fs_type = getattr(ckpt.filesystem, "type_name", "local")
+    return ckpt.path if fs_type == "local" else f"{fs_type}://{ckpt.path}"
+
+
+def _publish_dir(local: Path, uri: str, options: dict) -> None:
+    """Copy a local directory to ``uri`` (a local path or object storage), replacing it."""
+    fs, path = storage.filesystem(uri, options)
+    if storage.is_local(fs):
+        tmp = Path(f"{path}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(local, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    for f in sorted(local.rglob("*")):
+        if f.is_file():
+            fs.put_file(str(f), storage.join(path, f.relative_to(local).as_posix()))
+
+
+def _safe(fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s", e)

@@ -1,0 +1,181 @@
+"""The training recipe: ``drafter:``, ``train:`` and ``registry:`` sections of a recipe
+YAML, validated into dataclasses with errors that name the key's path
+(``train.num_workers: expected an int >= 1 or [min, max], got [3, 1]``).
+
+The target is the one the recipe's ``features:`` section describes (``features.target``);
+its stored features are read from ``features.output`` unless ``train.features`` says
+otherwise. One recipe file therefore describes data, drafter and training for a target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pipelines.config import (FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, FeaturesConfig, apply_overrides, option,
+                              parse_section, read_yaml)
+
+#: names the embedded default target goes by (see specdec.target.resolve_target_path)
+EMBEDDED_TARGET = {None, "", "default", "smollm2", "smollm2-135m"}
+
+
+@dataclass
+class DrafterSection:
+    num_layers: int = option(1, check=POSITIVE)  # draft decoder layers
+    block_size: int = option(16, check=(lambda v: v >= 2, ">= 2"))  # B: anchor + B-1 drafted tokens
+    layer_ids: list[int] | None = None  # target layers fed as features; null: the feature run's layers
+    num_features: int = option(5, check=POSITIVE)  # online mode without layer_ids: this many, paper spacing
+    mask_token_id: int | None = option(None, check=NON_NEGATIVE)  # null: a spare special token of the tokenizer
+    intermediate_size: int | None = option(None, check=POSITIVE)  # null: the target's
+    init_from_target: bool = True  # draft layers and final norm start from target layers (shapes match)
+
+
+@dataclass
+class TrainSection:
+    run_name: str  # a Ray Train run; running the same name again resumes it
+    storage_path: str = "runs/train"  # local directory or s3://bucket/prefix (checkpoints, export)
+    storage_options: dict = option(factory=dict)  # s3: endpoint_url, region, key, secret (else AWS_* variables)
+    # ---- data
+    features: str | None = None  # a committed feature run; null: features.output
+    online: bool = False  # compute features on the workers (the target runs there) instead of reading them
+    sequences: str | None = None  # online only: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
+    holdout: str | None = None  # a separate committed feature run (or sequences) for evaluation
+    holdout_fraction: float = option(0.05, check=FRACTION)  # without holdout: this share of rows, by id hash
+    eval_samples: int = option(64, check=POSITIVE)  # held-out sequences per evaluation (cap)
+    max_length: int = option(3072, check=POSITIVE)  # longer sequences are cut to their first max_length tokens
+    shuffle_buffer: int = option(64, check=NON_NEGATIVE)  # rows of local shuffle per worker (0: stream order)
+    # ---- optimisation (the paper's recipe by default)
+    epochs: int = option(6, check=POSITIVE)
+    max_steps: int | None = option(None, check=POSITIVE)  # stop after this many optimizer steps (smoke runs)
+    batch_size: int = option(4, check=POSITIVE)  # sequences per worker per step
+    num_anchors: int = option(512, check=POSITIVE)  # blocks sampled per sequence
+    eval_anchors: int | None = option(None, check=POSITIVE)  # null: num_anchors
+    loss_lambda: float | None = option(None, check=POSITIVE)  # decay of the offset weights; null: paper's per B
+    lr: float = option(6e-4, check=POSITIVE)
+    min_lr_ratio: float = option(0.0, check=FRACTION)  # cosine ends at lr * min_lr_ratio
+    warmup: float = option(0.04, check=FRACTION)  # share of the schedule spent warming up linearly
+    weight_decay: float = option(0.0, check=NON_NEGATIVE)  # on matrices only (never norms)
+    grad_clip: float = option(1.0, check=NON_NEGATIVE)  # 0: off
+    seed: int = 0
+    # ---- evaluation, checkpoints, logging
+    eval_every: int = option(0, check=NON_NEGATIVE)  # steps between evaluations (0: once per epoch)
+    keep_best: int = option(3, check=POSITIVE)  # checkpoints kept by held-out tau (the latest is always kept)
+    early_stop_patience: int | None = option(None, check=POSITIVE)  # stop after N evals without a better tau
+    log_every: int = option(10, check=POSITIVE)  # steps between progress lines / step metrics
+    export: str | None = None  # drafter directory to export; null: <storage_path>/<run_name>/drafter
+    # ---- scaling
+    num_workers: Any = 1  # an int, or [min, max] for elastic training
+    use_gpu: bool = False
+    cpus_per_worker: float = option(1.0, check=NON_NEGATIVE)
+    threads_per_worker: int | None = option(None, check=POSITIVE)  # torch threads; null: cpus_per_worker
+    strategy: Literal["ddp", "deepspeed"] = "ddp"
+    zero_stage: Literal[2, 3] = 2  # deepspeed only
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    attention: Literal["auto", "dense", "flex"] = "auto"  # block mask kernel; auto: flex on GPU, dense on CPU
+    max_failures: int = option(3, check=(lambda v: v >= -1, ">= -1"))  # worker failures survived (-1: forever)
+
+    def __post_init__(self):
+        self.num_workers = _workers(self.num_workers)
+        if self.sequences is not None and not self.online:
+            raise ConfigError("train.sequences: token sequences need train.online: true (stored features carry "
+                              "their own sequences)")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
+            raise ConfigError(f"train.run_name: expected letters, digits, '.', '_' or '-', got {self.run_name!r}")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+
+def _workers(value) -> int | tuple[int, int]:
+    ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    if ok_int(value):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(map(ok_int, value)) and value[0] <= value[1]:
+        return (value[0], value[1]) if value[0] != value[1] else value[0]
+    raise ConfigError(f"train.num_workers: expected an int >= 1 or [min, max] with 1 <= min <= max, got {value!r}")
+
+
+@dataclass
+class RegistrySection:
+    tracking_uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else MLflow's default (sqlite:///mlflow.db here)
+    experiment: str | None = None  # null: the model name
+    model_name: str | None = None  # null: dflash-<target slug>, the name serving looks up
+    register: bool = True  # register the exported drafter as a new model version
+
+
+@dataclass
+class TrainRecipe:
+    """Everything a training run needs, from one recipe file."""
+
+    features: FeaturesConfig
+    drafter: DrafterSection
+    train: TrainSection
+    registry: RegistrySection
+    source: str = ""  # the recipe file, for the record
+
+    @property
+    def target_slug(self) -> str:
+        return target_slug(self.features.target.model)
+
+    @property
+    def model_name(self) -> str:
+        return self.registry.model_name or f"dflash-{self.target_slug}"
+
+    @property
+    def features_uri(self) -> str:
+        return self.train.features or self.features.output
+
+    def as_dict(self) -> dict:
+        return {"features": dataclasses.asdict(self.features), "drafter": dataclasses.asdict(self.drafter),
+                "train": dataclasses.asdict(self.train), "registry": dataclasses.asdict(self.registry)}
+
+    def config_hash(self) -> str:
+        """sha256 of what decides the trained weights (data, drafter, optimisation), not of
+        where things are written or logged."""
+        d = self.as_dict()
+        skip = {"run_name", "storage_path", "storage_options", "export", "log_every", "max_failures",
+                "num_workers", "cpus_per_worker", "threads_per_worker"}
+        content = {"target": d["features"]["target"], "features_uri": self.features_uri, "drafter": d["drafter"],
+                   "train": {k: v for k, v in d["train"].items() if k not in skip}}
+        return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def target_slug(model: str | None) -> str:
+    """A short name for a target: ``Qwen/Qwen3-8B`` -> ``qwen3-8b``; the embedded default
+    is ``smollm2-135m`` (serving looks drafters up as ``dflash-<slug>``)."""
+    if model in EMBEDDED_TARGET:
+        return "smollm2-135m"
+    name = Path(str(model).rstrip("/")).name
+    name = re.sub(r"\.gguf$", "", name, flags=re.I)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "target"
+
+
+def parse_recipe(data: dict, source: str = "") -> TrainRecipe:
+    """Validate the training sections of a recipe mapping."""
+    if "features" not in data:
+        raise ConfigError("features: section missing (it names the target and its feature run)")
+    if "train" not in data:
+        raise ConfigError("train: section missing")
+    return TrainRecipe(
+        features=parse_section(FeaturesConfig, data["features"], "features"),
+        drafter=parse_section(DrafterSection, data.get("drafter"), "drafter"),
+        train=parse_section(TrainSection, data["train"], "train"),
+        registry=parse_section(RegistrySection, data.get("registry"), "registry"),
+        source=source,
+    )
+
+
+def load_train_recipe(path: str | Path, overrides: list[str] = ()) -> TrainRecipe:
+    """Read a recipe file (with ``key=value`` overrides) into a :class:`TrainRecipe`."""
+    data = apply_overrides(read_yaml(path), list(overrides))
+    return parse_recipe(data, str(path))

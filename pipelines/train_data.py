@@ -1,0 +1,145 @@
+"""Training data: committed feature runs (or token sequences for online features) as Ray
+Datasets on the driver, and padded tensor batches on the workers.
+
+Held-out rows are chosen by a hash of the sample id, so the split is the same on every
+run, every worker count and every restart, and needs no pass over the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipelines import storage
+from pipelines.config import ConfigError
+
+SEQUENCE_COLUMNS = ["id", "input_ids", "loss_mask"]
+
+
+# ---------------------------------------------------------------------------- driver side
+def holdout_mask(ids: list[str], fraction: float) -> np.ndarray:
+    """True for ids that belong to the held-out share (stable: sha256 of the id)."""
+    cut = int(fraction * 2**32)
+    return np.array([int.from_bytes(hashlib.sha256(i.encode()).digest()[:4], "big") < cut for i in ids], dtype=bool)
+
+
+def _keep_split(table: pa.Table, fraction: float, holdout: bool) -> pa.Table:
+    mask = holdout_mask(table.column("id").to_pylist(), fraction)
+    return table.filter(pa.array(mask if holdout else ~mask))
+
+
+def split_holdout(ds, fraction: float, holdout: bool):
+    """The held-out (``holdout=True``) or training rows of ``ds``."""
+    return ds.map_batches(_keep_split, batch_format="pyarrow", batch_size=None,
+                          fn_kwargs={"fraction": fraction, "holdout": holdout})
+
+
+def _normalize_sequences(table: pa.Table) -> pa.Table:
+    """Token rows in any of the accepted shapes -> ``id``, ``input_ids``, ``loss_mask``."""
+    names = set(table.column_names)
+    if "input_ids" not in names:
+        raise ValueError(f"sequence rows need an 'input_ids' column; found {sorted(names)}")
+    ids = table.column("input_ids").to_pylist()
+    if "loss_mask" in names:
+        masks = table.column("loss_mask").to_pylist()
+    elif "prompt_tokens" in names:
+        masks = [[0] * p + [1] * (len(s) - p) for s, p in zip(ids, table.column("prompt_tokens").to_pylist())]
+    else:
+        raise ValueError("sequence rows need 'loss_mask' (1 on response tokens) or 'prompt_tokens'")
+    if "id" in names:
+        row_ids = [str(i) for i in table.column("id").to_pylist()]
+    else:
+        row_ids = [hashlib.sha256(np.asarray(s, dtype=np.int64).tobytes()).hexdigest()[:16] for s in ids]
+    return pa.table({"id": pa.array(row_ids, pa.string()), "input_ids": pa.array(ids, pa.list_(pa.int32())),
+                     "loss_mask": pa.array(masks, pa.list_(pa.int8()))})
+
+
+def read_sequences(uri: str, storage_options: dict | None = None, field: str = "train.sequences"):
+    """A Dataset of token rows from Parquet or JSON Lines files (a file or a directory):
+    ``input_ids`` plus ``loss_mask`` or ``prompt_tokens``, optionally ``id``."""
+    import ray.data
+
+    uri = storage.absolute_uri(uri)
+    fs, path = storage.filesystem(uri, storage_options)
+    if not fs.exists(path):
+        raise ConfigError(f"{field}: {uri} does not exist")
+    files = [path] if fs.isfile(path) else storage.list_files(fs, path)
+    kinds = {".parquet" if f.endswith(".parquet") else ".jsonl" if f.endswith((".jsonl", ".json")) else "?"
+             for f in files}
+    if not files or len(kinds) != 1 or "?" in kinds:
+        raise ConfigError(f"{field}: expected .parquet or .jsonl files at {uri}, found {files[:3]}")
+    reader = ray.data.read_parquet if kinds == {".parquet"} else ray.data.read_json
+    ds = reader(files, filesystem=_arrow_fs(fs))
+    return ds.map_batches(_normalize_sequences, batch_format="pyarrow", batch_size=None)
+
+
+def _arrow_fs(fs):
+    import pyarrow.fs as pafs
+
+    return None if storage.is_local(fs) else pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def manifest_sha256(uri: str, storage_options: dict | None = None) -> str:
+    """sha256 of a feature run's ``manifest.json`` bytes: the data lineage of a drafter."""
+    uri = storage.absolute_uri(uri)
+    fs, root = storage.filesystem(uri, storage_options)
+    return hashlib.sha256(fs.cat_file(storage.join(root, "manifest.json"))).hexdigest()
+
+
+# ---------------------------------------------------------------------------- worker side
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T) long, right-padded with 0
+    loss_mask: torch.Tensor  # (B, T) bool: response tokens
+    lengths: torch.Tensor  # (B,) long
+    features: torch.Tensor | None  # (B, T, n_layers * hidden) or None (online: the worker computes them)
+    ids: list[str]
+
+    def to(self, device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.lengths), move(self.features), self.ids)
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+    def seed(self, base: int) -> int:
+        """A seed that depends only on which samples are in the batch (evaluation draws the
+        same anchors for the same samples, whatever the order they arrive in)."""
+        h = hashlib.sha256(json.dumps([base, sorted(self.ids)]).encode()).digest()
+        return int.from_bytes(h[:8], "big") & (2**63 - 1)
+
+
+class Collate:
+    """A pyarrow batch of stored rows -> a padded :class:`Batch` (sequences cut to
+    ``max_length``; features decoded from their stored bytes to ``dtype``)."""
+
+    def __init__(self, layout: dict | None, max_length: int, dtype: torch.dtype = torch.float32):
+        from pipelines.feature_format import FeatureLayout
+
+        self.layout = (FeatureLayout(layout["dtype"], tuple(layout["layer_ids"]), layout["hidden_size"])
+                       if layout else None)
+        self.max_length = max_length
+        self.dtype = dtype
+
+    def __call__(self, table: pa.Table) -> Batch:
+        rows = table.to_pylist()
+        lens = [min(len(r["input_ids"]), self.max_length) for r in rows]
+        B, T = len(rows), max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        feats = None
+        if self.layout is not None:
+            feats = torch.zeros(B, T, self.layout.feature_dim, dtype=self.dtype)
+        for b, (row, n) in enumerate(zip(rows, lens)):
+            ids[b, :n] = torch.as_tensor(np.asarray(row["input_ids"][:n], dtype=np.int64))
+            mask[b, :n] = torch.as_tensor(np.asarray(row["loss_mask"][:n], dtype=np.int8)).bool()
+            if feats is not None:
+                full = self.layout.decode(row["features"], row.get("scales"), int(row["num_tokens"]), self.dtype)
+                feats[b, :n] = full[:n]
+        return Batch(ids, mask, torch.tensor(lens, dtype=torch.long), feats, [str(r["id"]) for r in rows])

@@ -1,0 +1,284 @@
+"""What one training worker steps: the loss module, the two parallel strategies (DDP and
+DeepSpeed ZeRO-2/3) behind one small interface, the progress state, and checkpoints.
+
+A checkpoint directory (one per evaluation, reported to Ray Train)::
+
+    state.json            TrainState: step, epoch, position in the epoch, history of evals
+    drafter/              config.json + model.safetensors: the weights in the published layout
+    optimizer.pt          DDP: the AdamW state
+    deepspeed/            DeepSpeed: the engine's own checkpoint (every rank writes its shard)
+
+Resuming restores weights, optimizer state and the position in the data; a checkpoint
+written by the other strategy, or by DeepSpeed with another world size, restores the
+weights and restarts the optimizer moments (with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.checkpoint import save_drafter
+from specdec.drafter import DFlashDrafter
+from specdec.objective import StepOutput, dflash_loss
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+DRAFTER_DIR = "drafter"
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # batches of the current epoch done (per worker)
+    samples: int = 0  # training sequences consumed, all workers together
+    best_tau: float | None = None
+    best_step: int | None = None
+    evals_since_best: int = 0
+    world_size: int = 1
+    strategy: str = "ddp"
+    train_seconds: float = 0.0  # time spent in training steps and evals, all attempts together
+    resumed_from_step: int | None = None  # this attempt started from a checkpoint at this step
+    history: list[dict] = field(default_factory=list)  # one record per evaluation
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, STATE_FILE).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "TrainState":
+        d = json.loads(Path(directory, STATE_FILE).read_text())
+        return cls(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+
+class DrafterLoss(nn.Module):
+    """The drafter plus what it borrows from the target, with the DFlash loss as forward
+    (so DDP and DeepSpeed see one ordinary module). Only the drafter is a registered
+    submodule: the frozen target is neither synchronised, nor partitioned, nor saved."""
+
+    def __init__(self, drafter: DFlashDrafter, target, online: bool, lam: float | None, use_flex: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self._target = (target,)  # a tuple keeps nn.Module from registering it
+        self.online = online
+        self.lam = lam
+        self.use_flex = use_flex
+        self.layer_ids = list(drafter.config.target_layer_ids)
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    def forward(self, batch, num_anchors: int, generator: torch.Generator | None = None) -> StepOutput:
+        features = batch.features
+        if self.online:  # the target runs here: causal, so right padding never reaches a real token
+            pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None].expand_as(batch.input_ids)
+            with torch.no_grad():
+                features = self.target(batch.input_ids, pos, None, None, self.layer_ids).features
+        return dflash_loss(self.drafter, self.target.embed, self.target.logits, batch.input_ids, batch.loss_mask,
+                           features, batch.lengths, num_anchors, self.lam, generator, self.use_flex)
+
+
+def param_groups(drafter: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms keep their scale."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+class Runner:
+    """One training step, evaluation forward and checkpoint save/load for a strategy."""
+
+    strategy = "base"
+
+    def __init__(self, module: DrafterLoss, device: torch.device, bf16: bool, grad_clip: float):
+        self.raw = module
+        self.device = device
+        self.bf16 = bf16
+        self.grad_clip = grad_clip
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        return self.raw.drafter
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16 and self.device.type == "cuda")
+
+    @torch.no_grad()
+    def eval_step(self, batch, num_anchors: int, generator) -> StepOutput:
+        self.raw.eval()
+        try:
+            with self.autocast():
+                return self.raw(batch, num_anchors, generator)
+        finally:
+            self.raw.train()
+
+    def _save_drafter(self, directory: Path) -> None:
+        save_drafter(self.drafter, directory / DRAFTER_DIR)
+
+    def _load_drafter(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / DRAFTER_DIR / "model.safetensors"))
+        with torch.no_grad():
+            for name, p in self.drafter.named_parameters():
+                p.copy_(state[name].to(p.dtype))
+
+
+class DDPRunner(Runner):
+    strategy = "ddp"
+
+    def __init__(self, module, device, bf16, grad_clip, lr, weight_decay):
+        import ray.train.torch
+
+        super().__init__(module, device, bf16, grad_clip)
+        self.model = ray.train.torch.prepare_model(module)  # moves to the device; DDP when world > 1
+        self.optimizer = torch.optim.AdamW(param_groups(module.drafter, weight_decay), lr=lr,
+                                           fused=device.type == "cuda")
+
+    def train_step(self, batch, num_anchors: int, lr: float, generator) -> StepOutput:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        with self.autocast():
+            out = self.model(batch, num_anchors, generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return out
+
+    def save(self, directory: Path, state: TrainState, rank: int) -> bool:
+        """Rank 0 writes everything (the replicas are identical). Returns whether this rank wrote."""
+        if rank != 0:
+            return False
+        self._save_drafter(directory)
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        state.save(directory)
+        return True
+
+    def load(self, directory: Path, state: TrainState) -> None:
+        self._load_drafter(directory)
+        opt = directory / "optimizer.pt"
+        if opt.exists():
+            self.optimizer.load_state_dict(torch.load(opt, map_location=self.device, weights_only=True))
+        else:
+            log.warning("checkpoint %s has no DDP optimizer state (strategy %s); restarting AdamW moments",
+                        directory, state.strategy)
+
+
+class DeepSpeedRunner(Runner):
+    strategy = "deepspeed"
+    TAG = "deepspeed"
+
+    def __init__(self, module, device, bf16, grad_clip, lr, weight_decay, zero_stage: int, micro_batch: int):
+        import deepspeed
+
+        super().__init__(module, device, bf16, grad_clip)
+        if device.type == "cpu":
+            _skip_deepspeed_shm_build()
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        self.base_optimizer = torch.optim.AdamW(param_groups(module.drafter, weight_decay), lr=lr)
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage, "overlap_comm": device.type == "cuda",
+                                  "contiguous_gradients": True, "reduce_bucket_size": int(5e7),
+                                  "allgather_bucket_size": int(5e7)},
+            "bf16": {"enabled": bf16},
+            "zero_allow_untested_optimizer": True,  # torch AdamW: fused on GPU, plain on CPU
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        module.to(device)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=config)
+        self.zero_stage = zero_stage
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        return self.engine.module.drafter
+
+    def train_step(self, batch, num_anchors: int, lr: float, generator) -> StepOutput:
+        for g in self.base_optimizer.param_groups:  # ZeRO steps this optimizer on its partitions
+            g["lr"] = lr
+        out = self.engine(batch, num_anchors, generator)
+        self.engine.backward(out.loss)
+        self.engine.step()
+        return out
+
+    @torch.no_grad()
+    def eval_step(self, batch, num_anchors: int, generator) -> StepOutput:
+        self.engine.eval()
+        try:
+            return self.engine(batch, num_anchors, generator)
+        finally:
+            self.engine.train()
+
+    def save(self, directory: Path, state: TrainState, rank: int) -> bool:
+        """Every rank writes its ZeRO shard; rank 0 also writes the gathered weights."""
+        self.engine.save_checkpoint(str(directory), tag=self.TAG, save_latest=False)
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.drafter.parameters()), modifier_rank=None):
+                if rank == 0:
+                    self._save_drafter(directory)
+        elif rank == 0:
+            self._save_drafter(directory)
+        if rank == 0:
+            state.save(directory)
+        return True
+
+    def load(self, directory: Path, state: TrainState) -> None:
+        """The engine's own checkpoint when it was written by DeepSpeed at this world size;
+        otherwise the weights alone (ZeRO shards do not re-partition), optimizer restarting."""
+        if (directory / self.TAG).is_dir() and state.world_size == self.engine.world_size:
+            path, _ = self.engine.load_checkpoint(str(directory), tag=self.TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
+            if path is None:
+                raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+            return
+        log.warning("checkpoint %s was written by %s with %d workers (now deepspeed with %d): loading its "
+                    "weights; optimizer moments restart", directory, state.strategy, state.world_size,
+                    self.engine.world_size)
+        self._load_drafter_everywhere(directory)
+
+    def _load_drafter_everywhere(self, directory: Path) -> None:
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.drafter.parameters()), modifier_rank=0):
+                self._load_drafter(directory)
+        else:
+            self._load_drafter(directory)
+        # ZeRO steps from fp32 master partitions: refresh them from the loaded weights
+        if hasattr(self.engine.optimizer, "refresh_fp32_params"):
+            self.engine.optimizer.refresh_fp32_params()
+
+
+def _skip_deepspeed_shm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory all-reduce op with g++ whenever it sets up
+    communication on CPU (minutes on a small machine, on every fresh node). Only its
+    inference all-reduce uses that op; ZeRO training uses torch.distributed. So it is
+    skipped unless DFLASH_DEEPSPEED_SHM=1."""
+    if os.environ.get("DFLASH_DEEPSPEED_SHM") == "1":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def make_runner(strategy: str, module: DrafterLoss, device: torch.device, bf16: bool, *, grad_clip: float,
+                lr: float, weight_decay: float, zero_stage: int, micro_batch: int) -> Runner:
+    if strategy == "deepspeed":
+        return DeepSpeedRunner(module, device, bf16, grad_clip, lr, weight_decay, zero_stage, micro_batch)
+    return DDPRunner(module, device, bf16, grad_clip, lr, weight_decay)

@@ -1,0 +1,144 @@
+"""The application's settings: one validated model shared by ``build_app`` (app-builder
+arguments, ``serve_app/config.yaml``) and every deployment. Defaults fit a 2-core
+machine serving the embedded SmolLM2 target; raise the limits on a cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: Names that mean "the embedded SmolLM2-135M-Instruct" (see specdec.target.resolve_target_path).
+EMBEDDED_TARGETS = (None, "", "smollm2", "smollm2-135m", "default")
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # ---------------------------------------------------------------- what is served
+    target: str | None = Field(None, description="Target model: the embedded default (None/'smollm2'), "
+                               "a local HF directory, a .gguf file or a hub id already cached")
+    model_name: str | None = Field(None, description="Name clients pass as 'model' (default: from target)")
+    drafter: str | None = Field("auto", description="'auto' (models:/dflash-<model_name>@champion if "
+                                "registered, else speculation off), a drafter directory, "
+                                "models:/<name>@<alias> or models:/<name>/<version>, or 'none'")
+    tracking_uri: str | None = Field(None, description="MLflow tracking/registry URI (default: MLflow's own)")
+    registry_poll_s: float = Field(30.0, ge=0, description="How often replicas re-resolve a registry "
+                                   "alias and swap to a moved drafter (0 = never)")
+    backend: Literal["hf", "vllm"] = "hf"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int | None = None
+
+    # ---------------------------------------------------------------- speculation
+    block_size: int | Literal["auto", "off"] = Field(
+        "auto", description="'auto': each replica picks the block size (1 = off) from measured acceptance "
+        "and concurrency; an int: fixed block size; 'off': plain AR decoding")
+
+    # ---------------------------------------------------------------- limits
+    max_batch_size: int = Field(16, ge=1, description="Rows a replica's engine decodes together")
+    max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per engine turn (at "
+                                    "least one request): bounds the stall a burst of prompts causes")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Per replica, running + waiting "
+                                             "(default: 2 x max_batch_size)")
+    max_queued_requests: int = Field(256, description="Requests Serve queues before answering 503 (-1: no limit)")
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    request_timeout_s: float = Field(300.0, gt=0, description="Ingress gives up waiting for a replica")
+
+    # ---------------------------------------------------------------- replicas
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = Field(8.0, gt=0, description="Requests per replica at tau = 1")
+    tau_exponent: float = Field(0.5, ge=0, description="Capacity credit for speculation: capacity = "
+                                "target_ongoing_requests * tau ** tau_exponent")
+    tau_cap: float = Field(4.0, ge=1)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(15.0, gt=0)
+    metrics_interval_s: float | None = Field(None, gt=0, description="How often replicas push autoscaling "
+                                             "stats to the controller (Serve's default: 10 s)")
+    replica_cpus: float = Field(1.0, ge=0)
+    replica_gpus: float = Field(0.0, ge=0)
+    torch_threads: int | None = Field(None, ge=1, description="Default: the replica's CPUs (at least 1)")
+    ingress_replicas: int = Field(1, ge=1)
+
+    # ---------------------------------------------------------------- API and telemetry
+    api_key_env: str = Field("DFLASH_API_KEY", description="Env var holding the bearer key; unset or "
+                             "empty = no authentication")
+    metrics_push_s: float = Field(1.0, gt=0, description="How often replicas publish their metrics")
+
+    # ---------------------------------------------------------------- vLLM backend (GPU)
+    accelerator_type: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    vllm_engine_kwargs: dict = Field(default_factory=dict, description="Extra vLLM engine arguments")
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _block_size(cls, v):
+        if isinstance(v, str) and v.strip().lower() in ("auto", "off", "none", "0", "1"):
+            v = v.strip().lower()
+            return "off" if v in ("none", "0", "1", "off") else "auto"
+        if isinstance(v, str):
+            try:
+                v = int(v)
+            except ValueError:
+                raise ValueError(f"block_size must be 'auto', 'off' or an integer >= 2, got {v!r}") from None
+        if isinstance(v, int) and not isinstance(v, bool):
+            if v <= 1:
+                return "off"
+            return v
+        raise ValueError(f"block_size must be 'auto', 'off' or an integer >= 2, got {v!r}")
+
+    @field_validator("drafter", mode="before")
+    @classmethod
+    def _drafter(cls, v):
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "off", "")):
+            return None
+        return str(v).strip()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.default_max_tokens > self.max_tokens_limit:
+            self.default_max_tokens = self.max_tokens_limit
+        return self
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.target in EMBEDDED_TARGETS:
+            return "smollm2-135m"
+        p = Path(str(self.target))
+        return p.stem if p.suffix == ".gguf" else (p.name or str(self.target)).replace("/", "--")
+
+    @property
+    def drafter_source(self) -> str | None:
+        """Where the drafter comes from, with 'auto' spelled out."""
+        if self.drafter == "auto":
+            return f"models:/dflash-{self.served_model_name}@champion"
+        return self.drafter
+
+    @property
+    def speculation_requested(self) -> bool:
+        return self.block_size != "off" and self.drafter is not None
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_ongoing_requests or 2 * self.max_batch_size
+
+    @property
+    def replica_torch_threads(self) -> int:
+        return self.torch_threads or max(1, int(round(self.replica_cpus)))
+
+
+def load_config(args: dict | ServeConfig | None) -> ServeConfig:
+    """Validate app-builder arguments (strings from the CLI are coerced)."""
+    if isinstance(args, ServeConfig):
+        return args
+    return ServeConfig.model_validate(dict(args or {}))

@@ -1,0 +1,381 @@
+"""The engine loop of one replica (no Ray here).
+
+Exactly one thread owns the speculative engine. Requests enter through a queue; every
+turn of the loop applies cancellations, admits waiting requests into the live batch
+(``engine.add`` prefills them together), runs ONE draft/verify cycle for all live rows
+(``engine.step(k)`` with the block size the controller picks for this batch) and pushes
+each row's new tokens to its ``Stream``, which the replica's asyncio side consumes.
+
+Drafter swaps (the registry alias moved) never touch a live row: the new drafter gets a
+new engine *generation* that takes every new request, while older generations keep
+stepping until their rows finish, then retire. Exactness never depends on the drafter,
+and no draft cache is ever shared between drafters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from specdec.engine import DFlashProposer, Engine, Request
+
+from serve_app.adaptive import BlockSizeController, CostModel
+from serve_app.metrics import ReplicaMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Stream:
+    """One request's output channel: the engine thread pushes, an asyncio task reads.
+
+    Items: ``("tokens", [ids])``, ``("done", finish_reason, stats)``, ``("error", message)``.
+    """
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0  # tokens already pushed
+        self.drafted = 0  # draft tokens proposed for this request
+        self.max_rows = 0  # largest batch this request was verified in
+        self.finished = False
+
+    def push(self, item: tuple) -> None:
+        if item[0] != "tokens":
+            self.finished = True
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is gone
+            pass
+
+    async def get(self) -> tuple:
+        return await self.queue.get()
+
+    def get_nowait(self) -> tuple | None:
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+
+class TimedProposer:
+    """Wraps ``DFlashProposer``: times the drafter pass, records the block size a step
+    really ran (the engine may shrink it), and keeps the drafter's context complete
+    across AR steps (k = 1), which do not call ``propose``.
+
+    ``DFlashProposer.commit`` *replaces* the target features it has not cached yet (it
+    caches them in ``propose``), so after an AR step they would be lost. Here AR steps
+    append their features to the pending ones instead, and the drafter caches them in one
+    batch at the next drafting step (or every ``max_pending`` steps): while speculation is
+    off the drafter costs almost nothing per step.
+    """
+
+    needs_features = True
+
+    def __init__(self, inner: DFlashProposer, max_pending: int = 8):
+        self.inner = inner
+        self.layer_ids = inner.layer_ids
+        self.max_pending = max_pending
+        self.last_k = 1
+        self.draft_s = 0.0
+
+    def start_step(self) -> None:
+        self.last_k, self.draft_s = 1, 0.0
+
+    def admit(self, engine, rows, features, lens):
+        self.inner.admit(engine, rows, features, lens)
+
+    def propose(self, engine, k):
+        t0 = time.perf_counter()
+        out = self.inner.propose(engine, k)
+        self.draft_s += time.perf_counter() - t0
+        self.last_k = k + 1
+        return out
+
+    def commit(self, features, keep):
+        inner = self.inner
+        pending = inner.pending
+        if pending is None or pending.shape[1] == 0:  # after a drafting step: nothing waits
+            inner.commit(features, keep)
+            return
+        if pending.shape[1] >= self.max_pending:
+            inner._ingest()
+            inner.commit(features, keep)
+            return
+        # append each row's kept features right after its pending ones
+        m = int(keep.max())
+        rows, n = pending.shape[0], pending.shape[1]
+        out = pending.new_zeros(rows, n + m, pending.shape[2])
+        out[:, :n] = pending
+        offs = torch.arange(m, device=keep.device)
+        valid = offs[None, :] < keep[:, None]
+        r = torch.arange(rows, device=keep.device)[:, None].expand(-1, m)[valid]
+        out[r, (inner.pending_n[:, None] + offs[None, :])[valid]] = features[:, :m][valid]
+        inner.pending, inner.pending_n = out, inner.pending_n + keep
+
+    def flush(self) -> None:
+        """Cache every pending feature now (after a prefill, so that cost counts as prefill)."""
+        if self.inner.pending is not None and self.inner.pending.shape[1] > 0:
+            self.inner._ingest()
+
+    def select(self, idx):
+        self.inner.select(idx)
+
+
+class _Generation:
+    """An engine with one drafter (or none) and the controller that picks its block size."""
+
+    def __init__(self, target, drafter, version: str, mode, cost: CostModel, seed: int | None):
+        self.version = version
+        self.proposer = TimedProposer(DFlashProposer(drafter, target)) if drafter is not None else None
+        self.max_block = int(drafter.config.block_size) if drafter is not None else 1
+        self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
+        self.controller = BlockSizeController(self.max_block, mode if drafter is not None else "off", cost)
+        self.drafter = drafter
+
+
+class EngineWorker:
+    def __init__(self, target, drafter=None, drafter_version: str = "", *, mode: str | int = "auto",
+                 max_batch_size: int = 16, max_prefill_tokens: int = 2048, seed: int | None = None,
+                 metrics: ReplicaMetrics | None = None):
+        self.target = target
+        self.mode = mode
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.seed = seed
+        self.metrics = metrics or ReplicaMetrics()
+        self._gens: list[_Generation] = [_Generation(target, drafter, drafter_version, mode, CostModel(), seed)]
+        self.metrics.set_max_block(self._gens[0].max_block)
+        self._live: dict[int, tuple[Stream, _Generation]] = {}  # id(request) -> owner
+        self._cond = threading.Condition()
+        self._waiting: deque[Stream] = deque()
+        self._cancels: list[tuple[Stream, str]] = []
+        self._next_drafter: tuple | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
+        stream = Stream(request, loop or asyncio.get_running_loop())
+        with self._cond:
+            if self._stop or self.error is not None:
+                raise RuntimeError("the engine is not running")
+            self._waiting.append(stream)
+            self.metrics.load(len(self._waiting), len(self._live))
+            self._cond.notify()
+        return stream
+
+    def cancel(self, stream: Stream, reason: str = "cancelled") -> None:
+        """Drop a request (its client left, or a stop string matched); frees its row."""
+        with self._cond:
+            if stream in self._waiting:
+                self._waiting.remove(stream)
+                self.metrics.finished(reason)
+                stream.push(("done", reason, {}))
+            elif not stream.finished:
+                self._cancels.append((stream, reason))
+                self._cond.notify()
+
+    def set_drafter(self, drafter, version: str) -> None:
+        """Serve new requests with ``drafter`` from the next loop turn on."""
+        with self._cond:
+            self._next_drafter = (drafter, version)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def drafter(self):
+        return self._gens[0].drafter
+
+    @property
+    def drafter_version(self) -> str:
+        return self._gens[0].version
+
+    @property
+    def max_block(self) -> int:
+        """Block size B of the drafter serving new requests (1 without a drafter)."""
+        return self._gens[0].max_block
+
+    @property
+    def generations(self) -> int:
+        return len(self._gens)
+
+    def load(self) -> tuple[int, int]:
+        """(waiting, live) request counts."""
+        return len(self._waiting), len(self._live)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stop or self._waiting or self._cancels or self._live or self._next_drafter):
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                    admit = self._take_admissions()
+                    cancels, self._cancels = self._cancels, []
+                    swap, self._next_drafter = self._next_drafter, None
+                if swap is not None:
+                    self._install(*swap)
+                for stream, reason in cancels:
+                    self._cancel_live(stream, reason)
+                if admit:
+                    self._admit(admit)
+                for gen in list(self._gens):
+                    if gen.engine.rows:
+                        self._step(gen)
+                self._retire()
+                self.metrics.load(len(self._waiting), len(self._live))
+        except BaseException as e:  # a bug: fail everything loudly, the replica's health check reports it
+            log.exception("engine loop died")
+            self.error = e
+        finally:
+            with self._cond:
+                leftovers = list(self._waiting) + [s for s, _ in self._live.values()]
+                self._waiting.clear()
+                self._live.clear()
+            why = "the replica is shutting down" if self.error is None else \
+                f"engine failure: {type(self.error).__name__}: {self.error}"
+            for stream in leftovers:
+                if not stream.finished:
+                    stream.push(("error", why))
+
+    def _take_admissions(self) -> list[Stream]:
+        """Waiting requests that fit the batch and this turn's prefill budget (at least one
+        when there is room), so a burst of long prompts does not stall live rows."""
+        room = max(0, self.max_batch_size - len(self._live))
+        admit: list[Stream] = []
+        tokens = 0
+        while self._waiting and len(admit) < room:
+            n = len(self._waiting[0].request.prompt)
+            if admit and tokens + n > self.max_prefill_tokens:
+                break
+            admit.append(self._waiting.popleft())
+            tokens += n
+        return admit
+
+    def _install(self, drafter, version: str) -> None:
+        old = self._gens[0]
+        cost = CostModel(verify=copy.deepcopy(old.controller.cost.verify))
+        self._gens.insert(0, _Generation(self.target, drafter, version, self.mode, cost, self.seed))
+        self.metrics.set_max_block(self._gens[0].max_block)
+        log.info("drafter version %s installed; %d rows finish on version %s", version,
+                 len(old.engine.rows), old.version)
+
+    def _retire(self) -> None:
+        self._gens = [self._gens[0]] + [g for g in self._gens[1:] if g.engine.rows]
+
+    def _admit(self, streams: list[Stream]) -> None:
+        gen = self._gens[0]
+        ok = []
+        for s in streams:
+            p = s.request.prompt
+            if not p or len(p) >= self.target.max_positions:
+                self.metrics.finished("error")
+                s.push(("error", f"prompt of {len(p)} tokens does not fit the context of {self.target.max_positions}"))
+            else:
+                ok.append(s)
+        if not ok:
+            return
+        for s in ok:
+            self._live[id(s.request)] = (s, gen)
+        t0 = time.perf_counter()
+        try:
+            done = gen.engine.add([s.request for s in ok])
+        except Exception as e:  # engine state untouched by a failed prefill of this batch
+            log.exception("prefill failed")
+            for s in ok:
+                self._live.pop(id(s.request), None)
+                self.metrics.finished("error")
+                s.push(("error", f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        if gen.proposer is not None:
+            gen.proposer.flush()
+        self.metrics.prefill(time.perf_counter() - t0)
+        self._publish(gen.engine.rows + done, done)
+
+    def _step(self, gen: _Generation) -> None:
+        rows = list(gen.engine.rows)
+        k = gen.controller.choose(len(rows))
+        if gen.proposer is not None:
+            gen.proposer.start_step()
+        t0 = time.perf_counter()
+        try:
+            done = gen.engine.step(k)
+        except Exception as e:
+            log.exception("engine step failed; failing its %d rows and starting a fresh engine", len(rows))
+            self._fail_generation(gen, f"engine step failed: {type(e).__name__}: {e}")
+            return
+        total = time.perf_counter() - t0
+        k_run = gen.proposer.last_k if gen.proposer is not None else 1
+        draft_s = gen.proposer.draft_s if gen.proposer is not None else 0.0
+        accepted = [r.stats.accepted[-1] for r in rows]
+        gen.controller.observe(len(rows), k_run, accepted, draft_s, total - draft_s)
+        self.metrics.cycle(len(rows), k_run, accepted, draft_s, total - draft_s, gen.controller.expected_speedup)
+        for r in rows:
+            owner = self._live.get(id(r.request))
+            if owner is not None:
+                owner[0].drafted += k_run - 1
+                owner[0].max_rows = max(owner[0].max_rows, len(rows))
+        self._publish(rows, done)
+
+    def _publish(self, rows, done) -> None:
+        """Push new tokens of ``rows`` and close the streams of ``done``."""
+        for r in rows:
+            owner = self._live.get(id(r.request))
+            if owner is None:
+                continue
+            stream = owner[0]
+            new = r.tokens[stream.sent:]
+            if new:
+                stream.sent = len(r.tokens)
+                self.metrics.emitted(len(new))
+                stream.push(("tokens", list(new)))
+        for r in done:
+            owner = self._live.pop(id(r.request), None)
+            if owner is None:
+                continue
+            stream = owner[0]
+            self.metrics.finished(r.finish_reason or "stop")
+            stream.push(("done", r.finish_reason or "stop", _request_stats(r, stream)))
+
+    def _cancel_live(self, stream: Stream, reason: str) -> None:
+        owner = self._live.pop(id(stream.request), None)
+        if owner is None:
+            return
+        result = owner[1].engine.cancel(stream.request)
+        self.metrics.finished(reason)
+        stream.push(("done", reason, _request_stats(result, stream) if result is not None else {}))
+
+    def _fail_generation(self, gen: _Generation, message: str) -> None:
+        for r in gen.engine.rows:
+            owner = self._live.pop(id(r.request), None)
+            if owner is not None:
+                self.metrics.finished("error")
+                owner[0].push(("error", message))
+        fresh = _Generation(self.target, gen.drafter, gen.version, self.mode, gen.controller.cost, self.seed)
+        self._gens = [fresh if g is gen else g for g in self._gens]
+
+
+def _request_stats(result, stream: Stream) -> dict:
+    s = result.stats
+    return {"cycles": s.cycles, "accepted": list(s.accepted), "drafted": stream.drafted,
+            "max_batch_rows": stream.max_rows, "prefill_s": s.prefill_s, "draft_s": s.draft_s, "verify_s": s.verify_s}

@@ -1,0 +1,126 @@
+"""The engine benchmark (specdec.bench) and the generate CLI on a tiny random target."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.bench import BenchConfig, BenchError, run_benchmark, write_report
+from specdec.checkpoint import save_drafter
+from specdec.drafter import DFlashDrafter, drafter_config_for_target
+from specdec.target import load_target
+from specdec.tiny import save_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_KEYS = {"method", "tokens_per_s", "speedup_vs_ar", "tau_mean", "tau_hist", "draft_s", "verify_s", "overhead_s"}
+ALL = ["hf_generate", "ar", "dflash", "prompt_lookup", "oracle"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    tdir = save_tiny_target(root / "t")
+    target = load_target(str(tdir))
+    torch.manual_seed(0)
+    cfg = drafter_config_for_target(target, num_hidden_layers=1, block_size=8)
+    save_drafter(DFlashDrafter(cfg), root / "d")
+    # same shapes, but layer ids this 6-layer target does not have
+    save_drafter(DFlashDrafter(dataclasses.replace(cfg, target_layer_ids=[1, 2, 40])), root / "bad")
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "Write a function that adds two numbers."}]},
+        {"prompt": "Name three colours."},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]},
+    ]) + "\n")
+    return {"root": root, "target_dir": str(tdir), "target": target, "drafter": str(root / "d"),
+            "bad": str(root / "bad"), "prompts": str(prompts)}
+
+
+def test_benchmark_schema_exactness_and_plot(assets):
+    out = assets["root"] / "run" / "b.json"
+    cfg = BenchConfig(target=assets["target_dir"], drafter=assets["drafter"], prompts=assets["prompts"],
+                      num_prompts=3, max_new_tokens=16, block_size=8, batch_size=2, methods=",".join(ALL),
+                      save_outputs=True, out=str(out), progress=False)
+    report = run_benchmark(cfg, target=assets["target"])
+    write_report(report, out)
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+    assert set(data) == {"config", "results", "exactness", "cost_terms", "outputs"}
+    c = data["config"]
+    for k in ("target", "drafter", "prompts", "num_prompts", "max_new_tokens", "block_size", "temperature",
+              "batch_size", "methods", "save_outputs", "out", "seed", "target_id", "target_identity", "drafter_path"):
+        assert k in c, k
+    assert {"cpu_count", "torch", "threads"} <= set(c["machine"])
+    assert any("prompt by prompt" in n for n in c["notes"])  # batch 2: prompt_lookup ran per prompt
+
+    assert [r["method"] for r in data["results"]] == ALL
+    for r in data["results"]:
+        assert set(r) == RESULT_KEYS
+        assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
+        assert isinstance(r["speedup_vs_ar"], float)
+        engine = r["method"] in ("ar", "dflash", "oracle")
+        for k in ("tau_mean", "draft_s", "verify_s", "overhead_s"):
+            assert isinstance(r[k], float) if engine else r[k] is None, (r["method"], k)
+        if engine:
+            assert all(isinstance(k, str) and isinstance(v, int) for k, v in r["tau_hist"].items())
+        else:
+            assert r["tau_hist"] is None
+    by = {r["method"]: r for r in data["results"]}
+    assert by["ar"]["speedup_vs_ar"] == 1.0 and by["ar"]["tau_mean"] == 1.0
+    assert by["oracle"]["tau_mean"] > 1
+    assert max(map(int, by["oracle"]["tau_hist"])) == 8
+
+    ex = data["exactness"]
+    assert ex["applicable"] and all(ex["equal"][m] for m in ("dflash", "oracle", "prompt_lookup", "hf_generate")), ex
+    assert set(data["cost_terms"]["oracle"]) >= {"r_d", "r_v", "r_o", "tau"}
+
+    outs = data["outputs"]
+    assert set(outs) == set(ALL)
+    assert all(len(o) == 3 and all(len(t) == 16 for t in o) for o in outs.values())
+    assert all(isinstance(t, int) for t in outs["ar"][0])
+
+
+def test_benchmark_rejects_bad_flags():
+    with pytest.raises(BenchError, match="unknown method"):
+        BenchConfig(methods="ar,beam")
+    with pytest.raises(BenchError, match="--drafter"):
+        BenchConfig(methods="ar,dflash")
+    assert BenchConfig(methods="oracle").methods == ["ar", "oracle"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / "generate.py"), *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+
+
+def test_generate_cli_prints_completion_and_stats(assets):
+    p = _run("--prompt", "Say hello.", "--target", assets["target_dir"], "--drafter", assets["drafter"],
+             "--block-size", "8", "--max-new-tokens", "12")
+    assert p.returncode == 0, p.stderr
+    for word in ("tokens 12", "tok/s", "cycles", "tau", "histogram", "draft", "verify", "overhead"):
+        assert word in p.stdout, word
+    assert p.stdout.split("--- stats")[0].strip()  # the completion text comes first
+
+
+def test_generate_cli_bad_drafter_exits_2(assets, capsys):
+    p = _run("--prompt", "x", "--target", assets["target_dir"], "--drafter", str(assets["root"] / "missing"))
+    assert p.returncode == 2
+    assert "drafter directory not found" in p.stderr and "Traceback" not in p.stderr
+
+    # a drafter that does not fit the target: in-process (saves a second interpreter start)
+    spec = importlib.util.spec_from_file_location("generate_job", ROOT / "jobs" / "generate.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.main(["--prompt", "x", "--target", assets["target_dir"], "--drafter", assets["bad"]]) == 2
+    err = capsys.readouterr().err
+    assert "target_layer_ids" in err and len(err.strip().splitlines()) == 1

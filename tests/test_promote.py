@@ -1,0 +1,441 @@
+"""Drafter promotion against a real `mlflow server` (sqlite backend, local artifact root,
+127.0.0.1) started by this module: register versions with lineage, evaluate side by side
+with the real engine, promote, refuse a worse / inexact / other-target challenger, roll
+back, list; an unreachable registry is a clear error and leaves the aliases alone; a
+failed alias write is undone. Also once on the embedded sqlite registry.
+
+Drafters on a tiny target whose greedy continuation cycles through 16 tokens
+(specdec.tiny.save_cyclic_target): a random drafter (tau ~1.05) and a hand-built
+"copy the anchor" drafter whose first draft token is always right (tau ~1.9, and faster),
+so "better" is decided by a wide margin without training anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines import promote as P
+from pipelines import registry
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+import promote_drafter as job  # noqa: E402
+
+MODEL = "dflash-cyclic"
+BLOCK = 4
+LAYERS = [1, 2]
+PROMPT_ARGS = ["--num-prompts", "3", "--max-new-tokens", "16"]
+
+
+# ---------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_anchor_drafter(target, period: int = 16, mask_token_id: int = 16, sharp: float = 3.0):
+    """One layer whose MASK positions attend (almost only) to the anchor and copy its
+    embedding: the target's head maps a cycle token's axis to its successor, so the first
+    draft token is always the target's next token (tau ~2 with any block size)."""
+    from specdec.drafter import DFlashDrafter, drafter_config_for_target
+
+    cfg = drafter_config_for_target(target, num_hidden_layers=1, block_size=BLOCK, target_layer_ids=LAYERS,
+                                    mask_token_id=mask_token_id)
+    d = DFlashDrafter(cfg).to(target.dtype)
+    hd, H = cfg.head_dim, cfg.hidden_size
+    with torch.no_grad():
+        for p in d.parameters():  # fc = 0: context keys/values vanish
+            p.zero_() if p.dim() == 2 else p.fill_(1.0)
+        m = target.embed(torch.tensor([mask_token_id]))[0].to(d.dtype)
+        m = m / m.pow(2).mean().sqrt()  # the MASK token after input_layernorm
+        cyc = torch.zeros(H, dtype=d.dtype)
+        cyc[:period] = 1.0
+        mc = m * cyc
+        a = d.layers[0].self_attn
+        slow = hd // 2 - 1  # the rope pair with the lowest frequency: position-blind
+        a.k_proj.weight[slow] = cyc - (cyc @ mc) / (mc @ mc) * mc  # cycle tokens' keys; blind to MASK
+        a.k_proj.weight[0] = m * (1 - cyc)  # MASK keys point elsewhere
+        a.q_proj.weight[slow] = m / (m @ m)  # queries (from MASK) look for the cycle token
+        a.q_norm.weight.fill_(sharp)
+        a.k_norm.weight.fill_(sharp)
+        for k in range(period):
+            a.v_proj.weight[k, k] = 1.0
+            a.o_proj.weight[k, k] = 1.0
+    return d.eval().requires_grad_(False)
+
+
+def register(uri: str, name: str, drafter, target, target_dir: Path | str, run_name: str,
+             identity: str | None = None) -> str:
+    """What training does: the drafter dir with lineage as a run artifact, then a version
+    tagged with the lineage (pipelines.registry)."""
+    from specdec.checkpoint import save_drafter
+
+    run_id = registry.start_run(uri, name, run_name)
+    drafter.config.extra = {
+        "target_model": str(target_dir), "target_identity": identity or target.identity,
+        "features_uri": f"/data/features/{run_name}", "features_manifest_sha256": "f" * 64,
+        "config_sha256": "c" * 64, "git_commit": "0" * 40, "run_name": run_name, "mlflow_run_id": run_id,
+        "block_size": drafter.config.block_size, "num_layers": 1, "target_layer_ids": LAYERS,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        save_drafter(drafter, Path(tmp) / "drafter")
+        source = registry.log_artifacts(uri, run_id, Path(tmp) / "drafter", "drafter")
+    version = registry.register_drafter(uri, run_id, source, name, registry.lineage_tags(drafter.config.extra))
+    registry.finish_run(uri, run_id)
+    return version
+
+
+def aliases(uri: str, name: str) -> dict[str, str]:
+    return {a: str(v) for a, v in registry.client(uri).get_registered_model(name).aliases.items()}
+
+
+def tags(uri: str, name: str, version: str) -> dict[str, str]:
+    return registry.client(uri).get_model_version(name, version).tags
+
+
+def run_job(capsys, *argv: str) -> tuple[int, str, str]:
+    code = job.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def fake_measure(speedups: dict[str, float], exact: bool = True):
+    """A stand-in for P.measure with given numbers (for alias-failure paths, no engine)."""
+    def measure(target, candidates, prompts, prompt_ids, max_new_tokens, prompts_source, **kw):
+        res = [{"method": "ar", "version": None, "role": "reference", "block_size": None, "tokens_per_s": 10.0,
+                "speedup_vs_ar": 1.0, "tau_mean": None, "tau_hist": None, "draft_s": None, "verify_s": None,
+                "overhead_s": None}]
+        for c in candidates:
+            s = speedups[c.version]
+            res.append({"method": c.label, "version": c.version, "role": c.role, "block_size": c.block_size,
+                        "tokens_per_s": 10.0 * s, "speedup_vs_ar": s, "tau_mean": 1.0 + s, "tau_hist": {"2": 3},
+                        "draft_s": 0.1, "verify_s": 0.1, "overhead_s": 0.1})
+        return {"config": {"target_id": target.model_id, "target_identity": target.identity, "prompts": prompts_source,
+                           "num_prompts_used": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": 1},
+                "results": res, "cost_terms": {},
+                "exactness": {"reference": "ar", "applicable": True, "equal": {c.label: exact for c in candidates},
+                              "first_mismatch": {c.label: None if exact else [0, 3] for c in candidates}}}
+    return measure
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("promote")
+
+
+@pytest.fixture(scope="module")
+def server(work):
+    """A real `mlflow server` on loopback; its URL. Started first: it boots while the
+    targets are built."""
+    port = free_port()
+    log = open(work / "mlflow.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work}/mlflow.db",
+         "--artifacts-destination", str(work / "art"), "--serve-artifacts", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=work,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job-runner process to boot
+    url = f"http://127.0.0.1:{port}"
+    yield url, proc
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its own worker processes
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def target_dir(work) -> Path:
+    from specdec.tiny import save_cyclic_target
+
+    return save_cyclic_target(work / "cyclic-target")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from specdec.target import load_target
+
+    return load_target(str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def prompts(work) -> str:
+    path = work / "holdout.jsonl"
+    rows = [{"id": f"h{i}", "prompt": q} for i, q in enumerate(["hi", "what is 3 + 4?", "name a cat", "sing"])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def uri(server, target, work):
+    """The server's URL once it answers /health (targets were built meanwhile)."""
+    url, proc = server
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"mlflow server did not start: {(work / 'mlflow.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------- decision rule
+def ev(version, speedup=1.0, tau=1.5, exact=True, role="challenger"):
+    return P.Evaluation(version=version, role=role, exact=exact, tau=tau, speedup=speedup, tokens_per_s=speedup * 10,
+                        ar_tokens_per_s=10.0, first_mismatch=None if exact else [1, 5])
+
+
+def test_decision_rule():
+    champ = ev("1", speedup=1.00, tau=2.0, role="champion")
+    d = P.decide(ev("2", speedup=1.50, exact=False), champ)
+    assert not d.promote and "not exact" in d.reason and "prompt 1, token 5" in d.reason
+    assert not P.decide(ev("2", exact=False), None).promote  # not even as the first champion
+    assert P.decide(ev("2", speedup=0.5), None).promote  # first exact version becomes champion
+    assert P.decide(ev("2", speedup=1.03), champ).promote  # +3% >= 2%
+    d = P.decide(ev("2", speedup=1.01), champ)
+    assert not d.promote and "margin" in d.reason and "1.010x" in d.reason and "1.000x" in d.reason
+    assert not P.decide(ev("2", speedup=1.03), champ, margin=0.05).promote
+    assert P.decide(ev("2", speedup=0.9, tau=2.2), champ, metric="tau").promote  # tau +10%
+    assert not P.decide(ev("2", speedup=2.0, tau=2.0), champ, metric="tau").promote
+    assert not P.decide(ev("1"), ev("1", role="champion")).promote
+    with pytest.raises(P.PromoteError, match="--metric"):
+        P.decide(ev("2"), champ, metric="latency")
+
+
+# ---------------------------------------------------------------------------- the flow
+@pytest.fixture(scope="module")
+def flow_versions(uri, target, target_dir):
+    from specdec.tiny import random_drafter
+
+    v1 = register(uri, MODEL, random_drafter(target, block_size=BLOCK, layers=1, seed=1, mask_token_id=16,
+                                             target_layer_ids=LAYERS), target, target_dir, "random-a")
+    v2 = register(uri, MODEL, copy_anchor_drafter(target), target, target_dir, "copy-anchor")
+    v3 = register(uri, MODEL, random_drafter(target, block_size=BLOCK, layers=1, seed=2, mask_token_id=16,
+                                             target_layer_ids=LAYERS), target, target_dir, "random-b")
+    # trained for another target (lineage says so): refused on its tags, before any download
+    v4 = register(uri, MODEL, random_drafter(target, block_size=BLOCK, layers=1, seed=3, mask_token_id=16,
+                                             target_layer_ids=LAYERS), target, "/models/other-target",
+                  "other-target", identity="e" * 64)
+    return v1, v2, v3, v4
+
+
+def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsys):
+    v1, v2, v3, v4 = flow_versions
+    base = ["--tracking-uri", uri, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS]
+
+    # no champion yet: the first exact version becomes champion
+    code, out, err = run_job(capsys, *base, "--challenger", v1)
+    assert code == 0, err
+    assert aliases(uri, MODEL) == {"champion": v1}
+    t1 = tags(uri, MODEL, v1)
+    assert t1["eval.exact"] == "true" and t1["eval.vs"] == "ar" and t1["promotion.decision"] == "promoted"
+    assert registry.client(uri).get_registered_model(MODEL).tags["target_identity"] == target.identity  # pinned
+
+    # a better challenger (same run measures ar, v1 and v2): promoted, v1 kept as @previous
+    code, out, err = run_job(capsys, *base, "--challenger", v2)
+    assert code == 0, err
+    assert "PROMOTED" in out and f"dflash:v{v1}" in out and f"dflash:v{v2}" in out
+    assert aliases(uri, MODEL) == {"champion": v2, "previous": v1}
+    t2 = tags(uri, MODEL, v2)
+    assert t2["eval.exact"] == "true" and t2["eval.vs"] == f"v{v1}" and t2["promotion.decision"] == "promoted"
+    assert float(t2["eval.tau"]) > 1.6 > float(tags(uri, MODEL, v1)["eval.tau"])
+    assert float(t2["eval.speedup"]) > float(tags(uri, MODEL, v1)["eval.speedup"])
+
+    # the evaluation is an MLflow run linked to the version: metrics, benchmark JSON + plot
+    c = registry.client(uri)
+    run = c.get_run(t2["eval.run_id"])
+    assert run.data.tags["dflash.model_version"] == f"{MODEL}/{v2}" and run.data.tags["dflash.champion_version"] == v1
+    assert run.data.metrics["exact"] == 1.0 and run.data.metrics["tau"] == pytest.approx(float(t2["eval.tau"]), abs=1e-3)
+    assert {"speedup", "tokens_per_s", "champion.speedup", "ar.tokens_per_s"} <= set(run.data.metrics)
+    assert {a.path for a in c.list_artifacts(run.info.run_id, "eval")} == {
+        "eval/benchmark.json", "eval/benchmark.png", "eval/decision.json"}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = json.loads(Path(c.download_artifacts(run.info.run_id, "eval/benchmark.json", tmp)).read_text())
+    assert [r["method"] for r in bench["results"]] == ["ar", f"dflash:v{v1}", f"dflash:v{v2}"]
+    assert bench["exactness"]["equal"] == {f"dflash:v{v1}": True, f"dflash:v{v2}": True}
+    assert bench["config"]["num_prompts_used"] == 3 and bench["config"]["target_identity"] == target.identity
+
+    # a worse challenger: refused with the reason, aliases untouched
+    code, out, err = run_job(capsys, *base, "--challenger", v3)
+    assert code == 1
+    assert "refused:" in err and "not better by the margin" in err and f"v{v2}" in err
+    assert aliases(uri, MODEL) == {"champion": v2, "previous": v1}
+    assert tags(uri, MODEL, v3)["promotion.decision"] == "refused"
+
+    # a drafter of another target: refused before anything is measured, naming target_identity
+    code, out, err = run_job(capsys, *base, "--challenger", v4)
+    assert code == 1 and "target_identity eeeeeeeeeeee" in err and target.identity[:12] in err, err
+    assert "eval.run_id" not in tags(uri, MODEL, v4) and tags(uri, MODEL, v4)["promotion.decision"] == "refused"
+    assert aliases(uri, MODEL) == {"champion": v2, "previous": v1}
+
+    # roll back: @champion <- @previous (and back again)
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--rollback")
+    assert code == 0 and f"v{v2} -> v{v1}" in out
+    assert aliases(uri, MODEL) == {"champion": v1, "previous": v2}
+
+    # list: versions, aliases, lineage, evaluation tags
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--list")
+    assert code == 0, err
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[2:]}
+    assert set(lines) == {v1, v2, v3, v4}
+    assert "@champion" in lines[v1] and "@previous" in lines[v2] and "promoted" in lines[v2]
+    assert target.identity[:12] in lines[v2] and "copy-anchor" in lines[v2] and t2["eval.tau"] in lines[v2]
+    assert "refused" in lines[v3] and "eeeeeeeeeeee" in lines[v4]
+    code, out, _ = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--list", "--json")
+    rows = {r["version"]: r for r in json.loads(out)}
+    assert rows[v2]["lineage"]["config_sha256"] == "c" * 64 and rows[v2]["lineage"]["git_commit"] == "0" * 40
+    assert rows[v2]["eval"]["run_id"] == tags(uri, MODEL, v2)["eval.run_id"]  # re-measured as champion vs v3
+    assert rows[v3]["eval"]["vs"] == f"v{v2}" and rows[v3]["promotion"]["decision"] == "refused"
+
+
+def test_unreachable_registry_is_a_clear_error_and_changes_nothing(uri, flow_versions, prompts, capsys):
+    before = aliases(uri, MODEL)
+    dead = f"http://127.0.0.1:{free_port()}"
+    for extra in (["--challenger", flow_versions[1]], ["--rollback"], ["--list"]):
+        t0 = time.monotonic()
+        code, out, err = run_job(capsys, "--tracking-uri", dead, "--model", MODEL, "--prompts", prompts,
+                                 *PROMPT_ARGS, *extra)
+        assert code == 2 and f"registry at {dead} unreachable" in err, err
+        assert time.monotonic() - t0 < 30  # no minutes of retries
+    assert aliases(uri, MODEL) == before
+
+
+def test_cli_script(uri, flow_versions, capsys):
+    """The job as users (and `ray job submit`) run it: a separate process."""
+    script = str(REPO / "jobs" / "promote_drafter.py")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    r = subprocess.run([sys.executable, script, "--model", MODEL, "--list"], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert f"{MODEL}: 4 version(s)" in r.stdout and "@champion" in r.stdout
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-nope", "--list")
+    assert code == 2 and "no model 'dflash-nope'" in err
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--challenger", "99")
+    assert code == 2 and "no version or alias '99'" in err
+
+
+# ---------------------------------------------------------------------------- failure paths
+@pytest.fixture(scope="module")
+def fail_versions(uri, target, target_dir):
+    from specdec.tiny import random_drafter
+
+    mk = lambda seed: random_drafter(target, block_size=BLOCK, layers=1, seed=seed, mask_token_id=16,  # noqa: E731
+                                     target_layer_ids=LAYERS)
+    return [register(uri, "dflash-fail", mk(s), target, target_dir, f"r{s}") for s in (4, 5)]
+
+
+def test_inexact_challenger_is_refused(uri, fail_versions, prompts, monkeypatch, capsys):
+    """The engine is exact for any drafter, so exactness is flipped in the real measurement."""
+    real = P.measure
+
+    def inexact(*a, **kw):
+        report = real(*a, **kw)
+        for m in report["exactness"]["equal"]:
+            report["exactness"]["equal"][m] = False
+            report["exactness"]["first_mismatch"][m] = [2, 7]
+        return report
+
+    monkeypatch.setattr(P, "measure", inexact)
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-fail", "--challenger", fail_versions[0],
+                             "--prompts", prompts, *PROMPT_ARGS)
+    assert code == 1 and "not exact" in err and "prompt 2, token 7" in err
+    assert aliases(uri, "dflash-fail") == {}
+    t = tags(uri, "dflash-fail", fail_versions[0])
+    assert t["eval.exact"] == "false" and t["promotion.decision"] == "refused"
+
+
+def test_dry_run_and_undone_alias_write(uri, fail_versions, prompts, monkeypatch, capsys):
+    """A dry run moves nothing. The registry fails between the two alias writes
+    (@previous set, @champion not): @previous is undone, nothing half-moved is left, and
+    the error says so."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    v1, v2 = fail_versions
+    registry.client(uri).set_registered_model_alias("dflash-fail", "champion", v1)
+    before = aliases(uri, "dflash-fail")
+    assert before == {"champion": v1}
+    monkeypatch.setattr(P, "measure", fake_measure({v1: 1.0, v2: 2.0}))
+
+    # a dry run decides and logs but moves nothing
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-fail", "--challenger", v2,
+                             "--prompts", prompts, *PROMPT_ARGS, "--dry-run")
+    assert code == 0 and "WOULD PROMOTE" in out, err
+    assert aliases(uri, "dflash-fail") == before
+    assert tags(uri, "dflash-fail", v2)["promotion.decision"] == "would-promote (dry run)"
+    real_set = MlflowClient.set_registered_model_alias
+
+    def flaky(self, name, alias, version):
+        if alias == "champion" and str(version) == v2:
+            raise MlflowException("API request to endpoint /api/2.0/mlflow/registered-models/alias failed with "
+                                  "exception HTTPConnectionPool: Max retries exceeded (Connection refused)")
+        return real_set(self, name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", flaky)
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-fail", "--challenger", v2,
+                             "--prompts", prompts, *PROMPT_ARGS)
+    assert code == 2 and "unreachable while setting @champion" in err, err
+    assert "aliases restored: @previous=unset" in err, err
+    assert aliases(uri, "dflash-fail") == before  # @previous (briefly v1) was deleted again
+
+
+# ---------------------------------------------------------------------------- embedded registry, S3 artifacts
+def test_embedded_sqlite_registry_with_s3_artifacts(work, target, target_dir, prompts, capsys, monkeypatch):
+    """The default store (a sqlite file, found through $MLFLOW_TRACKING_URI) with the
+    drafters and the evaluation artifacts in s3:// (an S3 API server on loopback)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    s3.start()
+    try:
+        host, port = s3.get_host_and_port()
+        for k, v in {"MLFLOW_S3_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="mlflow")
+        (work / "embedded").mkdir(exist_ok=True)
+        db = f"sqlite:///{work}/embedded/mlflow.db"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", db)
+        c = registry.client(db)
+        for exp in (MODEL, f"{MODEL}-promotion"):  # training's and promotion's experiments, on S3
+            c.create_experiment(exp, artifact_location=f"s3://mlflow/{exp}")
+        v1 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "embedded")
+        assert c.get_model_version(MODEL, v1).source.startswith("s3://mlflow/")
+
+        code, out, err = run_job(capsys, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS, "--metric", "tau")
+        assert code == 0, err
+        assert aliases(db, MODEL) == {"champion": v1}
+        run = c.get_run(tags(db, MODEL, v1)["eval.run_id"])
+        assert run.info.artifact_uri.startswith("s3://mlflow/")
+        assert {a.path for a in c.list_artifacts(run.info.run_id, "eval")} >= {"eval/benchmark.json",
+                                                                                "eval/benchmark.png"}
+        code, out, err = run_job(capsys, "--model", MODEL, "--rollback")
+        assert code == 1 and "no @previous" in err
+        code, out, err = run_job(capsys, "--model", MODEL, "--list")
+        assert code == 0 and "@champion" in out
+    finally:
+        s3.stop()

@@ -1,0 +1,103 @@
+"""Shared helpers for the serving tests (this module holds no tests): a tiny target
+with the real SmolLM2 tokenizer, random drafters, an MLflow sqlite registry, SSE
+parsing, and a Serve instance on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.checkpoint import save_drafter
+from specdec.drafter import DFlashDrafter, drafter_config_for_target
+from specdec.engine import Engine, Request
+from specdec.target import load_target
+from specdec.tiny import save_tiny_target
+
+BLOCK = 8
+
+
+def tiny_target_dir(root: Path) -> Path:
+    return save_tiny_target(root / "tiny-target", num_layers=6, hidden_size=64)
+
+
+def make_drafter(target, out_dir: Path, seed: int = 0, identity: str | None = None, block_size: int = BLOCK) -> Path:
+    """A random drafter for ``target``; ``identity`` overrides the recorded target identity."""
+    torch.manual_seed(seed)
+    cfg = drafter_config_for_target(target, block_size=block_size, num_hidden_layers=1)
+    cfg.extra["target_identity"] = identity or target.identity
+    return save_drafter(DFlashDrafter(cfg), out_dir)
+
+
+def register_drafter(tracking_uri: str, name: str, drafter_dir: Path, alias: str | None = "champion") -> str:
+    """Log a drafter directory as run artifacts, register it as a new version of ``name``
+    and (optionally) point ``alias`` at it. Returns the version."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    artifacts = Path(tracking_uri.removeprefix("sqlite:///")).parent / "artifacts"
+    exp = client.get_experiment_by_name("drafters")
+    exp_id = exp.experiment_id if exp else client.create_experiment("drafters", artifact_location=artifacts.as_uri())
+    with mlflow.start_run(experiment_id=exp_id) as run:
+        mlflow.log_artifacts(str(drafter_dir), artifact_path="drafter")
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        client.create_registered_model(name)
+    mv = client.create_model_version(name, source=f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id)
+    if alias:
+        client.set_registered_model_alias(name, alias, mv.version)
+    return str(mv.version)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ar_tokens(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target-only greedy continuation (no drafter), batch of one."""
+    return Engine(target, None, seed=0).generate([Request(prompt, max_new_tokens=max_new_tokens)])[0].tokens
+
+
+def load(path) -> object:
+    return load_target(str(path))
+
+
+def sse_events(response) -> list[dict | str]:
+    """Parse an httpx streaming response into JSON payloads (and the final "[DONE]")."""
+    out: list[dict | str] = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()):
+                total += sample.value
+    return total

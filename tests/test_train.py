@@ -1,0 +1,380 @@
+"""Ray Train drafter training end to end on a tiny target whose continuation is learnable
+(specdec.tiny.save_cyclic_target): features from the real feature pipeline, a DDP run that
+learns, registers in MLflow and exports a drafter the engine serves exactly; DeepSpeed
+ZeRO-2 on two CPU workers; a worker killed mid-run; the same run name run again; online
+features; and `ray job submit` against a real head node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+import yaml
+
+from pipelines.config import ConfigError
+from pipelines.train_config import load_train_recipe, parse_recipe, target_slug
+from pipelines.train_data import holdout_mask
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [1, 2]
+BLOCK = 4
+BATCH = 4
+HOLDOUT = 0.2
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Ray Train's controller polls workers every 2 s by default; tests checkpoint every few steps
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+    started = not ray.is_initialized()
+    if started:  # 4 logical CPUs: two training workers plus Ray Data's read tasks
+        ray.init(num_cpus=4, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
+                 log_to_driver=False)
+    yield
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target_dir(work) -> Path:
+    from specdec.tiny import save_cyclic_target
+
+    return save_cyclic_target(work / "cyclic-target")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from specdec.target import load_target
+
+    return load_target(str(target_dir))
+
+
+def features_section(work: Path, target_dir: Path) -> dict:
+    return {"output": str(work / "features"), "target": {"model": str(target_dir)}, "layer_ids": LAYERS,
+            "prompts": {"source": str(work / "prompts.jsonl"), "split": "all", "max_prompt_tokens": 80},
+            "generation": {"max_new_tokens": 32, "batch_size": 12}, "extract": {"batch_size": 12},
+            "storage": {"samples_per_shard": 12}}
+
+
+@pytest.fixture(scope="module")
+def features(cluster, work, target_dir) -> str:
+    """A committed feature run of 24 prompts made by the feature pipeline."""
+    from pipelines.config import load_features_config
+    from pipelines.features import run_features
+
+    # prompt lengths spread over a whole cycle: the drafter must follow the anchor token, not
+    # learn where in the sequence the cycle happens to be
+    rows = [{"id": f"q{i}", "prompt": f"Question {i}: " + " ".join(["why"] * (i % 16)) + " what?"}
+            for i in range(24)]
+    (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = work / "features.yaml"
+    path.write_text(yaml.safe_dump({"features": features_section(work, target_dir)}))
+    summary = run_features(load_features_config(path))
+    assert summary["num_samples"] == 24
+    return summary["uri"]
+
+
+def train_rows(features_uri: str) -> int:
+    """Rows in the training split (the rest of the id-hash holdout)."""
+    ids = [i for f in sorted(Path(features_uri, "shards").glob("*.parquet"))
+           for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+    return int((~holdout_mask(ids, HOLDOUT)).sum())
+
+
+def recipe(work: Path, target_dir: Path, name: str, registry: dict | None = None, **train) -> Path:
+    data = {
+        "features": features_section(work, target_dir),
+        "drafter": {"num_layers": 1, "block_size": BLOCK},
+        "train": {"run_name": name, "storage_path": str(work / "runs"), "epochs": 8, "batch_size": BATCH,
+                  "num_anchors": 16, "max_length": 256, "holdout_fraction": HOLDOUT, "lr": 3e-3, "warmup": 0.05,
+                  "log_every": 5, "keep_best": 2, "threads_per_worker": 1, **train},
+        "registry": registry or {"tracking_uri": f"sqlite:///{work}/mlflow.db"},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def fit(path: Path, *overrides: str):
+    from pipelines.train import fit as run
+
+    return run(load_train_recipe(path, list(overrides)))
+
+
+# ---------------------------------------------------------------------------- config
+def test_recipe_errors_name_the_field():
+    base = {"features": {"output": "x"}, "train": {"run_name": "r"}}
+    cases = [
+        ({"train": {"run_name": "r", "num_workers": [3, 1]}},
+         r"^train\.num_workers: expected an int >= 1 or \[min, max\]"),
+        ({"train": {"run_name": "r", "strategy": "fsdp"}}, r"^train\.strategy: expected one of 'ddp', 'deepspeed'"),
+        ({"train": {"run_name": "r", "zero_stage": 1}}, r"^train\.zero_stage: expected one of 2, 3"),
+        ({"train": {"run_name": "r", "lr": -1}}, r"^train\.lr: expected number > 0"),
+        ({"train": {"run_name": "r", "lrr": 1}}, r"^train\.lrr: unknown key"),
+        ({"train": {"run_name": "bad name!"}}, r"^train\.run_name: expected letters"),
+        ({"train": {"run_name": "r", "sequences": "x.jsonl"}},
+         r"^train\.sequences: token sequences need train\.online"),
+        ({"train": {}}, r"^train\.run_name: required"),
+        ({"drafter": {"block_size": 1}}, r"^drafter\.block_size: expected int >= 2, got 1"),
+        ({"drafter": {"num_layers": "two"}}, r"^drafter\.num_layers: expected int, got 'two'"),
+        ({"registry": {"register": "yes"}}, r"^registry\.register: expected true or false"),
+    ]
+    for change, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            parse_recipe({**base, **change})
+    with pytest.raises(ConfigError, match=r"^train: section missing"):
+        parse_recipe({"features": {"output": "x"}})
+
+    elastic = parse_recipe({**base, "train": {"run_name": "r", "num_workers": [1, 4]}})
+    assert elastic.train.num_workers == (1, 4) and elastic.model_name == "dflash-smollm2-135m"
+    from ray.train import ScalingConfig
+
+    assert ScalingConfig(num_workers=elastic.train.num_workers).elasticity_enabled
+    for path in sorted((REPO / "configs").glob("*.yaml")):  # every shipped recipe is valid
+        r = load_train_recipe(path)
+        assert r.model_name == f"dflash-{path.stem}", path
+    assert target_slug("/models/Qwen3-8B/") == "qwen3-8b" and target_slug(None) == "smollm2-135m"
+
+
+def test_lr_schedule_warms_up_then_follows_a_cosine():
+    from pipelines.train import lr_at
+
+    lr = lambda p: lr_at(p, 6e-4, 0.04, 0.1)  # noqa: E731
+    assert lr(0.0) == 0.0 and lr(0.02) == pytest.approx(3e-4) and lr(0.04) == pytest.approx(6e-4)
+    assert lr(0.52) == pytest.approx(6e-4 * (0.1 + 0.9 * 0.5))
+    assert lr(1.0) == pytest.approx(6e-5) and lr(2.0) == pytest.approx(6e-5)
+    assert all(lr(a / 100) >= lr(b / 100) for a, b in zip(range(4, 100), range(5, 101)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_collate_pads_cuts_and_decodes_stored_rows(dtype):
+    from pipelines.feature_format import FeatureLayout
+    from pipelines.train_data import Collate
+
+    layout = FeatureLayout(dtype, (1, 2), 8)
+    g = torch.Generator().manual_seed(0)
+    rows, feats = [], []
+    for n in (5, 9):
+        f = torch.randn(n, 16, generator=g)
+        data, scales = layout.encode(f)
+        feats.append(f)
+        rows.append({"id": f"r{n}", "input_ids": list(range(10, 10 + n)), "loss_mask": [0, 0] + [1] * (n - 2),
+                     "num_tokens": n, "features": data, "scales": scales})
+    import pyarrow as pa
+
+    batch = Collate(layout.as_dict(), max_length=7)(pa.Table.from_pylist(rows))
+    assert batch.input_ids.shape == (2, 7) and batch.features.shape == (2, 7, 16)
+    assert batch.lengths.tolist() == [5, 7] and batch.ids == ["r5", "r9"]
+    assert batch.input_ids[0].tolist() == [10, 11, 12, 13, 14, 0, 0] and batch.loss_mask[1].sum() == 5
+    tol = 2e-3 if dtype == "float16" else 3 / 254
+    torch.testing.assert_close(batch.features[1], feats[1][:7], atol=tol * 4, rtol=tol)
+    assert batch.features[0, 5:].abs().sum() == 0
+    assert batch.seed(0) == Collate(layout.as_dict(), 7)(pa.Table.from_pylist(rows[::-1])).seed(0)
+
+
+def test_holdout_split_is_stable_and_close_to_the_fraction():
+    ids = [f"sample-{i}" for i in range(4000)]
+    mask = holdout_mask(ids, 0.05)
+    assert 0.04 < mask.mean() < 0.06 and (holdout_mask(ids, 0.05) == mask).all()
+    assert not holdout_mask(ids, 0.0).any() and (holdout_mask(ids[:10], 0.05) == mask[:10]).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])  # untied head; tied head with a scaled embedding
+def test_embed_and_head_alone_equal_the_full_target(tmp_path, family):
+    from specdec.frozen import load_embed_and_head
+    from specdec.target import load_target
+    from specdec.tiny import save_tiny_target
+
+    path = save_tiny_target(tmp_path / family, family=family, num_layers=4)
+    full, head = load_target(str(path)), load_embed_and_head(str(path), identity="abc")
+    ids = torch.tensor([[1, 5, 900, 49000]])
+    torch.testing.assert_close(head.embed(ids), full.embed(ids), rtol=0, atol=0)
+    h = torch.randn(1, 3, full.hidden_size)
+    torch.testing.assert_close(head.logits(h), full.logits(h), rtol=0, atol=0)
+    assert head.identity == "abc" and head.layers[0].mlp.down_proj.weight.is_meta  # the decoder was never loaded
+
+
+# ---------------------------------------------------------------------------- DDP end to end
+@pytest.fixture(scope="module")
+def ddp_run(cluster, work, target_dir, features):
+    return fit(recipe(work, target_dir, "ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_run_learns_and_registers_with_lineage(ddp_run, work, features, target):
+    from mlflow import MlflowClient
+
+    res = ddp_run
+    hist = res.history
+    assert hist[0]["step"] == 0 and hist[0]["samples"] == 0  # the untrained baseline
+    per_epoch = -(-train_rows(features) // BATCH)
+    assert res.steps == 8 * per_epoch and [h["step"] for h in hist] == [k * per_epoch for k in range(9)]
+    assert hist[-1]["holdout_loss"] < 0.5 * hist[0]["holdout_loss"]
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"]
+    assert res.holdout_tau == max(h["holdout_tau"] for h in hist[1:]) > hist[0]["holdout_tau"] + 0.5
+    assert len(hist[-1]["holdout_acc"]) == BLOCK - 1
+
+    client = MlflowClient(res.tracking_uri)
+    mv = client.get_model_version("dflash-cyclic-target", res.model_version)
+    manifest_sha = __import__("hashlib").sha256((Path(features) / "manifest.json").read_bytes()).hexdigest()
+    assert mv.tags["target_identity"] == target.identity
+    assert mv.tags["features_uri"] == features and mv.tags["features_manifest_sha256"] == manifest_sha
+    assert mv.tags["config_sha256"] == load_train_recipe(work / "ddp.yaml").config_hash()
+    assert mv.tags.get("git_commit") == res.extra["git_commit"]  # absent when not run from a git checkout
+    assert mv.tags["mlflow_run_id"] == res.mlflow_run_id and float(mv.tags["holdout_tau"]) == res.holdout_tau
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.num_anchors"] == "16"
+    taus = [m.value for m in client.get_metric_history(res.mlflow_run_id, "holdout_tau")]
+    assert taus == [h["holdout_tau"] for h in hist]  # logged live from rank 0, once per evaluation
+    assert client.get_metric_history(res.mlflow_run_id, "train_loss")
+    assert {a.path for a in client.list_artifacts(res.mlflow_run_id, "drafter")} == {
+        "drafter/config.json", "drafter/model.safetensors"}
+    kept = sorted(p.name for p in Path(res.run_uri).glob("checkpoint-step*"))
+    assert len(kept) <= 3 and Path(res.checkpoint).name in kept  # best 2 by tau, plus the latest
+    assert (Path(res.run_uri) / "eval" / "learning_curve.png").is_file()
+
+
+@pytest.mark.slow
+def test_exported_drafter_is_exact_in_the_engine(ddp_run, target):
+    from specdec.checkpoint import load_drafter
+    from specdec.engine import DFlashProposer, Engine, Request
+
+    cfg = json.loads((Path(ddp_run.drafter_dir) / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == LAYERS
+    assert cfg["dflash_ray"]["target_identity"] == target.identity and "embed_tokens.weight" not in json.dumps(cfg)
+    drafter = load_drafter(ddp_run.drafter_dir, target=target)  # checks identity, widths, layers
+    prompts = [target.encode_chat([{"role": "user", "content": q}]) for q in ("hi", "what is 3 + 4?", "name a cat")]
+    requests = lambda: [Request(p, 24) for p in prompts]  # noqa: E731
+    ar = Engine(target).generate(requests())
+    spec = Engine(target, DFlashProposer(drafter, target), block_size=BLOCK).generate(requests())
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert all(r.stats.tau > 1.5 for r in spec)  # the trained drafter is accepted, not just harmless
+
+
+@pytest.mark.slow
+def test_resuming_with_another_drafter_shape_is_refused(ddp_run, work, target_dir):
+    with pytest.raises(ConfigError, match=r"^drafter\.num_layers: run 'ddp' at .* was trained with "
+                                          r"num_hidden_layers=1, the recipe now gives 2"):
+        fit(recipe(work, target_dir, "ddp"), "drafter.num_layers=2")
+
+
+# ---------------------------------------------------------------------------- DeepSpeed
+@pytest.mark.slow
+def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features, target):
+    from specdec.checkpoint import load_drafter
+
+    res = fit(recipe(work, target_dir, "zero2", strategy="deepspeed", zero_stage=2, num_workers=2, max_steps=3,
+                     eval_every=2))
+    assert res.steps == 3 and [h["step"] for h in res.history] == [0, 2, 3]
+    assert res.history[-1]["samples"] == 3 * BATCH * 2
+    latest = sorted(Path(res.run_uri).glob("checkpoint-step*"))[-1]
+    shards = sorted(p.name for p in (latest / "deepspeed").iterdir())
+    assert "mp_rank_00_model_states.pt" in shards
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(shards)
+    assert json.loads((latest / "state.json").read_text())["strategy"] == "deepspeed"
+    load_drafter(res.drafter_dir, target=target)
+
+
+# ---------------------------------------------------------------------------- failures and resume
+@pytest.mark.slow
+def test_killed_worker_resumes_and_the_same_name_continues(cluster, work, target_dir, features, monkeypatch):
+    per_epoch = -(-train_rows(features) // BATCH)
+    path = recipe(work, target_dir, "killed", epochs=2, eval_every=2)
+    marker = work / "killed.marker"
+    monkeypatch.setenv("DFLASH_FAIL_AT_STEP", "3")
+    monkeypatch.setenv("DFLASH_FAIL_MARKER", str(marker))
+    res = fit(path)
+    assert marker.exists()  # the worker did die at step 3 ...
+    assert res.resumed_from_step == 2  # ... and the restarted group resumed from the step-2 checkpoint
+    assert res.steps == 2 * per_epoch and res.samples == 2 * train_rows(features)
+    steps = [h["step"] for h in res.history]
+    assert steps == sorted(set(steps)) and steps[-1] == 2 * per_epoch
+
+    monkeypatch.delenv("DFLASH_FAIL_AT_STEP")
+    again = fit(path, "train.epochs=3")  # the same run name: picks up where it stopped
+    assert again.resumed_from_step == 2 * per_epoch and again.steps == 3 * per_epoch
+    assert again.mlflow_run_id == res.mlflow_run_id and int(again.model_version) == int(res.model_version) + 1
+    assert [h["step"] for h in again.history][: len(steps)] == steps
+
+
+# ---------------------------------------------------------------------------- online features
+@pytest.mark.slow
+def test_online_features_from_token_sequences(cluster, work, target_dir, features, target):
+    rows = [r for f in sorted(Path(features, "shards").glob("*.parquet"))
+            for r in pq.read_table(f, columns=["id", "input_ids", "prompt_tokens"]).to_pylist()]
+    seq = work / "sequences.jsonl"
+    seq.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5),
+              "drafter.layer_ids=[1, 3]")  # online features may read layers no feature run stored
+    assert res.steps == 10 and res.history[-1]["holdout_loss"] < res.history[0]["holdout_loss"]
+    cfg = json.loads((Path(res.drafter_dir) / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["dflash_ray"]["online_features"] is True
+    assert cfg["dflash_ray"]["features_manifest_sha256"] is None and cfg["dflash_ray"]["features_uri"] == str(seq)
+
+
+# ---------------------------------------------------------------------------- ray job submit
+@pytest.mark.slow
+def test_ray_job_submit_to_a_real_head_with_s3_and_an_mlflow_server(work, target_dir, features):
+    """The cluster path: `python -m cluster.stack up --s3` runs `ray start --head` (free ports,
+    dashboard, token auth), an MLflow server and an S3 API on loopback; the job checkpoints
+    to s3:// and registers through the server. `down` stops exactly what it started (never
+    `ray stop`, which would stop every Ray on the machine)."""
+    from mlflow import MlflowClient
+
+    from cluster.stack import load_state, stack_env
+
+    if ray.is_initialized():
+        ray.shutdown()  # the job runs on its own cluster
+    # a short state dir: Ray's unix socket paths under it must stay within 107 bytes
+    state_dir = Path(tempfile.mkdtemp(prefix="dflash-train-stack-", dir="/tmp"))
+    stack = [sys.executable, "-m", "cluster.stack", "--state-dir", str(state_dir)]
+    up = subprocess.run([*stack, "up", "--s3", "--num-cpus", "2"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        env = {**os.environ, **stack_env(load_state(state_dir))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` in the job is ours
+        bucket = env["DFLASH_S3_BUCKET"]
+        path = recipe(work, target_dir, "job", storage_path=f"s3://{bucket}/train", max_steps=4, eval_every=2,
+                      registry={"tracking_uri": None})  # MLFLOW_TRACKING_URI: the stack's server
+        job = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--working-dir", str(REPO),
+                              "--", "python", "jobs/train_drafter.py", "--config", str(path)],
+                             env=env, capture_output=True, text=True, timeout=900)
+        out = job.stdout + job.stderr
+        assert job.returncode == 0, out[-5000:]
+        assert f"drafter: s3://{bucket}/train/job/drafter" in out and "succeeded" in out
+        assert "registered: models:/dflash-cyclic-target/1" in out
+
+        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+        mv = client.get_model_version("dflash-cyclic-target", "1")
+        assert mv.source.startswith("mlflow-artifacts:") and mv.tags["features_uri"] == features
+        assert mv.tags["checkpoint"].startswith(f"s3://{bucket}/train/job/checkpoint-step")
+        assert client.get_metric_history(mv.run_id, "holdout_tau")  # logged live by the worker
+
+        from pipelines import storage
+
+        fs, root = storage.filesystem(f"s3://{bucket}/train/job", {
+            "endpoint_url": env["AWS_ENDPOINT_URL_S3"], "key": env["AWS_ACCESS_KEY_ID"],
+            "secret": env["AWS_SECRET_ACCESS_KEY"], "region": env["AWS_REGION"]})
+        names = {p.rsplit("/", 1)[-1] for p in fs.ls(root)}
+        assert {"drafter", "eval", "checkpoint-step00000004"} <= names
+    finally:
+        down = subprocess.run([*stack, "down"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        if down.returncode == 0:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        assert down.returncode == 0, down.stdout + down.stderr
