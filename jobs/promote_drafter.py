@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"what the challenger must improve (default: {DEFAULT_METRIC})")
     ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                     help=f"relative improvement required over the champion (default: {DEFAULT_MARGIN} = "
-                         f"{DEFAULT_MARGIN:.0%})")
+                         f"{DEFAULT_MARGIN * 100:g}%%)")
     ap.add_argument("--dry-run", action="store_true", help="evaluate and log, decide, but move no alias")
     ap.add_argument("--tracking-uri", default=None,
                     help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else the embedded sqlite)")

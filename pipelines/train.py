@@ -87,7 +87,7 @@ def train_loop_per_worker(config: dict) -> None:
         state = dataclasses.replace(saved, world_size=world, strategy=tc.strategy, resumed_from_step=saved.step,
                                     batch_in_epoch=saved.batch_in_epoch * saved.world_size // world)
         if rank == 0:
-            print(f"[train] resumed from step {saved.step} (epoch {saved.epoch}, {saved.samples} samples)", flush=True)
+            log.info("[train] resumed from step %d (epoch %d, %d samples)", saved.step, saved.epoch, saved.samples)
 
     train_rows = max(1, int(config["train_rows"]))
     total_samples = tc.epochs * train_rows
@@ -120,9 +120,9 @@ def train_loop_per_worker(config: dict) -> None:
         flat = {k: v for k, v in record.items() if not isinstance(v, list)}
         flat.update({f"holdout_acc_{k + 1}": a for k, a in enumerate(ev["holdout_acc"])})
         if rank == 0:
-            print(f"[eval] step {state.step} | epoch {record['epoch']:.2f} | holdout tau {ev['holdout_tau']:.3f} | "
-                  f"loss {ev['holdout_loss']:.4f} | acc@1..3 "
-                  + " ".join(f"{a:.3f}" for a in ev["holdout_acc"][:3]), flush=True)
+            log.info("[eval] step %d | epoch %.2f | holdout tau %.3f | loss %.4f | acc@1..3 %s", state.step,
+                     record["epoch"], ev["holdout_tau"], ev["holdout_loss"],
+                     " ".join(f"{a:.3f}" for a in ev["holdout_acc"][:3]))
             metrics_log.log({k: v for k, v in flat.items() if k.startswith("holdout_")} | {"epoch": record["epoch"]},
                             state.step)
             metrics_log.flush()
@@ -161,9 +161,9 @@ def train_loop_per_worker(config: dict) -> None:
                 stats = window.flush(device)  # a collective: every rank logs at the same steps
                 if rank == 0:
                     stats.update(lr=lr, epoch=round(state.samples / train_rows, 4), samples=state.samples)
-                    print(f"[train] step {state.step} | epoch {stats['epoch']:.2f} | loss {stats['train_loss']:.4f} | "
-                          f"tau {stats['train_tau']:.3f} | acc@1 {stats['train_acc_1']:.3f} | lr {lr:.2e} | "
-                          f"{stats['block_tokens_per_s']:.0f} block tok/s", flush=True)
+                    log.info("[train] step %d | epoch %.2f | loss %.4f | tau %.3f | acc@1 %.3f | lr %.2e | "
+                             "%.0f block tok/s", state.step, stats["epoch"], stats["train_loss"], stats["train_tau"],
+                             stats["train_acc_1"], lr, stats["block_tokens_per_s"])
                     metrics_log.log(stats, state.step)
             if fail_at and state.step == fail_at and rank == 0:
                 _inject_failure()
@@ -209,7 +209,7 @@ def _inject_failure() -> None:
     marker = os.environ.get("DFLASH_FAIL_MARKER")
     if marker and not os.path.exists(marker):
         Path(marker).write_text(str(os.getpid()))
-        print(f"[train] DFLASH_FAIL_AT_STEP reached: worker {os.getpid()} exits", flush=True)
+        log.warning("[train] DFLASH_FAIL_AT_STEP reached: worker %d exits", os.getpid())
         os._exit(1)
 
 

@@ -61,7 +61,8 @@ def choose_mask_token_id(tokenizer) -> int:
 
 def weights_fingerprint(state_dict: dict[str, torch.Tensor], config_dict: dict) -> str:
     """A stable identity for a model's weights: sha256 over the config's architecture
-    fields and every tensor's name, shape, dtype and a strided sample of its values.
+    fields and every tensor's name, shape and a strided sample of its values (independent
+    of the dtype the model was loaded in).
     Cheap even for 8B targets and changes whenever any tensor changes materially."""
     h = hashlib.sha256()
     keep = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
@@ -71,8 +72,9 @@ def weights_fingerprint(state_dict: dict[str, torch.Tensor], config_dict: dict) 
         t = state_dict[name].detach()
         flat = t.reshape(-1)
         step = max(1, flat.numel() // 4096)
-        sample = flat[::step][:4096].to(torch.float32).cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        # rounded to bfloat16 so that the same weights loaded in fp32, fp16 or bf16 agree
+        sample = flat[::step][:4096].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
 

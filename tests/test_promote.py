@@ -2,7 +2,8 @@
 127.0.0.1) started by this module: register versions with lineage, evaluate side by side
 with the real engine, promote, refuse a worse / inexact / other-target challenger, roll
 back, list; an unreachable registry is a clear error and leaves the aliases alone; a
-failed alias write is undone. Also once on the embedded sqlite registry.
+failed alias write is undone. Also once on the embedded sqlite registry with artifacts
+in s3:// (moto's S3 API on loopback).
 
 Drafters on a tiny target whose greedy continuation cycles through 16 tokens
 (specdec.tiny.save_cyclic_target): a random drafter (tau ~1.05) and a hand-built
@@ -331,6 +332,10 @@ def test_cli_script(uri, flow_versions, capsys):
                        env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert f"{MODEL}: 4 version(s)" in r.stdout and "@champion" in r.stdout
+    assert run_job(capsys, "--help")[0] == 0
+    assert run_job(capsys, "--list", "--rollback")[0] == 2  # usage error
+    code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--num-prompts", "0")
+    assert code == 2 and "--num-prompts must be >= 1" in err
     code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-nope", "--list")
     assert code == 2 and "no model 'dflash-nope'" in err
     code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", MODEL, "--challenger", "99")

@@ -25,8 +25,12 @@ def test_features_are_hf_hidden_states_and_embed_matches(tiny, family):
 def test_identity_changes_with_weights(tiny):
     from specdec.tiny import tiny_target
 
+    from specdec.target import Target
+
     a, b = tiny_target("llama", seed=0), tiny_target("llama", seed=0)
     assert a.identity == b.identity
+    # the same weights served in another dtype keep their identity
+    assert Target(tiny_target("llama", seed=0).model.to(torch.bfloat16)).identity == a.identity
     with torch.no_grad():
         b.layers[3].mlp.up_proj.weight[0, 0] += 1.0
     b._identity = None
