@@ -28,8 +28,9 @@ $(ASSETS): $(STAMP)
 	$(BIN)/python -m specdec.assets --prepare
 	@touch $(ASSETS)
 
+# one pytest process per module (Ray/Serve/MLflow state stays inside its module)
 test: setup assets
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python tools/run_tests.py $(PYTEST_ARGS)
 
 test-fast: setup assets
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
