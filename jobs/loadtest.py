@@ -9,12 +9,13 @@ AR serving is the same application with ``drafter=none`` (plain AR decoding in t
 continuous-batching engine); ``--start`` runs it at route ``/ar`` next to the
 speculative app at ``/spec``. Each concurrency level sends ``--requests`` streaming,
 greedy chat requests from ``--concurrency`` parallel clients; spec and AR run back to
-back at each level (which goes first alternates), so both see the same machine load. Per level and mode it reports output
-throughput (tokens/s), TTFT (time to the first content chunk) p50/p99, inter-token
-latency p50/p99 (the gap between streamed chunks divided by the tokens they carry) and
-TPOT (per-request (last - first) / (tokens - 1)), the mean accepted length tau, and the
-replicas' CPU seconds per generated token (from /metrics): on a machine shared with
-other work, wall-clock ratios are noisy, CPU per token is not.
+back at each level (which goes first alternates), so both see the same machine load.
+Per level and mode it reports output throughput (tokens/s), TTFT (time to the first
+content chunk) p50/p99, inter-token latency p50/p99 (the gap between streamed chunks
+divided by the tokens they carry) and TPOT (per-request (last - first) / (tokens - 1)),
+the mean accepted length tau, and the replicas' CPU seconds per generated token (from
+/metrics): on a machine shared with other work wall-clock ratios are noisy, CPU per
+token much less so.
 Writes ``loadtest.json`` and ``loadtest.png`` under ``--out``.
 """
 

@@ -145,6 +145,7 @@ class Run:
     draft_s: float | None = None
     verify_s: float | None = None
     cycles: int = 0  # engine steps for the whole batch
+    prefill_s: float = 0.0  # part of the overhead
     accepted: list[int] = field(default_factory=list)  # A per row-cycle
 
 
@@ -162,7 +163,7 @@ def run_engine(target: Target, prompts: list[list[int]], max_new_tokens: int, pa
     # row that lived longest saw every cycle, so its totals are the batch's
     last = max(results, key=lambda r: r.stats.cycles)
     run = Run([r.tokens for r in results], wall, last.stats.draft_s, last.stats.verify_s, last.stats.cycles,
-              [a for r in results for a in r.stats.accepted])
+              last.stats.prefill_s, [a for r in results for a in r.stats.accepted])
     return results, run
 
 
@@ -210,6 +211,7 @@ class _Acc:
         self.wall = self.tokens = 0.0
         self.draft = self.verify = None
         self.cycles = 0
+        self.prefill = 0.0
         self.accepted: list[int] = []
         self.outputs: list[list[int]] = []
 
@@ -221,6 +223,7 @@ class _Acc:
             self.draft = (self.draft or 0.0) + run.draft_s
             self.verify = (self.verify or 0.0) + run.verify_s
         self.cycles += run.cycles
+        self.prefill += run.prefill_s
         self.accepted += run.accepted
 
 
@@ -331,7 +334,8 @@ def _exactness(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
 
 def _cost_terms(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
     """DESIGN.md's S = tau * L_ar / (T_d + T_v + T_o) per cycle; r_x = T_x / L_ar, where
-    L_ar is one ``ar`` engine step (for the whole batch) and T_o includes prefill."""
+    L_ar is one ``ar`` engine step (for the whole batch) and T_o includes prefill (whose
+    share is reported as r_prefill: long prompts with short outputs are prefill-bound)."""
     ar = acc.get("ar")
     if not ar or not ar.cycles:
         return {}
@@ -344,8 +348,8 @@ def _cost_terms(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
         tau = sum(a.accepted) / len(a.accepted) + 1
         r_d, r_v = a.draft / a.cycles / L, a.verify / a.cycles / L
         r_o = (a.wall - a.draft - a.verify) / a.cycles / L
-        out[m] = {"tau": tau, "r_d": r_d, "r_v": r_v, "r_o": r_o, "cycles": a.cycles,
-                  "predicted_speedup": tau / (r_d + r_v + r_o)}
+        out[m] = {"tau": tau, "r_d": r_d, "r_v": r_v, "r_o": r_o, "r_prefill": a.prefill / a.cycles / L,
+                  "cycles": a.cycles, "predicted_speedup": tau / (r_d + r_v + r_o)}
     return out
 
 
@@ -391,7 +395,7 @@ def format_report(report: dict) -> str:
     ex = report["exactness"]
     if ex["applicable"]:
         for m, ok in ex["equal"].items():
-            where = "" if ok else f" (first mismatch at prompt {ex['first_mismatch'][m][0]}, token {ex['first_mismatch'][m][1]})"
+            where = "" if ok else " (first mismatch at prompt {}, token {})".format(*ex["first_mismatch"][m])
             lines.append(f"greedy exactness {m} == ar: {ok}{where}")
     else:
         lines.append("greedy exactness: not applicable (sampling, or ar not run)")
@@ -399,8 +403,10 @@ def format_report(report: dict) -> str:
     for m in SPECULATIVE:
         if m in ct:
             c = ct[m]
+            total = c["r_d"] + c["r_v"] + c["r_o"]
             lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
-                         f"{c['r_o']:.2f} = {c['r_d'] + c['r_v'] + c['r_o']:.2f} -> predicted {c['predicted_speedup']:.2f}x")
+                         f"{c['r_o']:.2f} = {total:.2f} -> predicted {c['predicted_speedup']:.2f}x "
+                         f"(prefill is {c['r_prefill']:.2f} of r_o)")
     for n in report["config"].get("notes", []):
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -441,6 +447,9 @@ def plot_report(report: dict, path: Path) -> None:
         xs = [int(k) + (i - (len(spec) - 1) / 2) * width for k in r["tau_hist"]]
         ax2.bar(xs, [v / total for v in r["tau_hist"].values()], width=width,
                 label=f"{r['method']} (tau {r['tau_mean']:.2f})")
+    top = max([int(report["config"].get("block_size") or 1)] + [int(k) for r in spec for k in r["tau_hist"]])
+    ax2.set_xticks(range(1, top + 1))
+    ax2.set_xlim(0.5, top + 0.5)
     ax2.set_xlabel("tokens committed per cycle (A + 1)")
     ax2.set_ylabel("fraction of cycles")
     ax2.set_title("acceptance histogram")

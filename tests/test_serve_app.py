@@ -21,8 +21,8 @@ import pytest
 import ray
 from ray import serve
 
-from test_serve_support import (ar_tokens, free_port, load, make_drafter, metric_value, register_drafter,
-                                sse_events, tiny_target_dir, wait_for)
+from test_serve_support import (ar_tokens, free_port, load, make_drafter, metric_value, private_dir,
+                                register_drafter, sse_events, tiny_target_dir, wait_for)
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -56,11 +56,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server():
+    with private_dir("serve-app") as root:
+        yield from _serve(root)
+
+
+def _serve(root):
     import torch
 
     torch.set_num_threads(1)  # the replica decodes with 1 thread; same reductions for the reference
-    root = tmp_path_factory.mktemp("serve-app")
     target_dir = tiny_target_dir(root)
     target = load(target_dir)
     uri = f"sqlite:///{root / 'mlflow.db'}"

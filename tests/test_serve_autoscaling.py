@@ -21,7 +21,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from serve_app.autoscaling import (POLICY_PATH, AcceptanceAwarePolicy, ReplicaLoad, autoscaling_config_dict,
                                    desired_replicas)
 from serve_app.config import load_config
-from test_serve_support import free_port, load, make_drafter, tiny_target_dir, wait_for
+from test_serve_support import free_port, load, make_drafter, private_dir, tiny_target_dir, wait_for
 
 DEP = DeploymentID(name="DFlashReplica", app_name="dflash")
 
@@ -82,8 +82,12 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 
 
 @pytest.fixture(scope="module")
-def scaling_app(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-autoscale")
+def scaling_app():
+    with private_dir("serve-autoscale") as root:
+        yield from _scaling_app(root)
+
+
+def _scaling_app(root):
     target_dir = tiny_target_dir(root)
     drafter_dir = make_drafter(load(target_dir), root / "drafter")
     saved = {k: os.environ.get(k) for k in FAST_METRICS}

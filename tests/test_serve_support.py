@@ -4,8 +4,11 @@ parsing, and a Serve instance on a free loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +55,18 @@ def register_drafter(tracking_uri: str, name: str, drafter_dir: Path, alias: str
     if alias:
         client.set_registered_model_alias(name, alias, mv.version)
     return str(mv.version)
+
+
+@contextlib.contextmanager
+def private_dir(prefix: str):
+    """A temporary directory of our own. Not pytest's numbered ``tmp_path_factory`` dirs:
+    other pytest runs on a shared machine prune those, and replicas read these files
+    long after the fixture created them."""
+    path = Path(tempfile.mkdtemp(prefix=f"dflash-{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from serve_app import adaptive
 from serve_app.adaptive import AcceptanceModel, BlockSizeController, CostModel, LinearCost, choose_block_size
 from serve_app.config import ServeConfig, load_config
 from serve_app.protocol import APIError, Limits, parse_chat, parse_completion, parse_json
-from test_serve_support import BLOCK, ar_tokens, make_drafter, register_drafter, tiny_target_dir
+from test_serve_support import BLOCK, ar_tokens, make_drafter, private_dir, register_drafter, tiny_target_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,12 +160,11 @@ def test_valid_requests_parse():
 
 # ---------------------------------------------------------------------- worker
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny():
     from specdec.target import load_target
 
-    root = tmp_path_factory.mktemp("units")
-    target = load_target(str(tiny_target_dir(root)))
-    return root, target
+    with private_dir("serve-units") as root:
+        yield root, load_target(str(tiny_target_dir(root)))
 
 
 def _drain(stream):

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -175,8 +176,6 @@ def test_collate_pads_cuts_and_decodes_stored_rows(dtype):
         feats.append(f)
         rows.append({"id": f"r{n}", "input_ids": list(range(10, 10 + n)), "loss_mask": [0, 0] + [1] * (n - 2),
                      "num_tokens": n, "features": data, "scales": scales})
-    import pyarrow as pa
-
     batch = Collate(layout.as_dict(), max_length=7)(pa.Table.from_pylist(rows))
     assert batch.input_ids.shape == (2, 7) and batch.features.shape == (2, 7, 16)
     assert batch.lengths.tolist() == [5, 7] and batch.ids == ["r5", "r9"]
