@@ -58,7 +58,7 @@ DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "client": 10001, "agent": 52365
                  "mlflow": 5000, "s3": 9000}
 # Ray puts unix sockets under <temp>/session_<date>_<pid>/sockets/...; paths over 107
 # bytes do not work, so a long state dir gets its Ray temp dir under /tmp instead.
-_MAX_RAY_TEMP_LEN = 48
+_MAX_RAY_TEMP_LEN = 40  # plasma socket paths past ~107 bytes make `ray start` fail
 _PORT_TAKEN = 75  # internal: start failed because a port was taken (retried once)
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
