@@ -511,7 +511,7 @@ def model_name(model: str | None, target: str | None) -> str:
     """``--model`` as given, else ``dflash-<slug>`` of ``--target`` exactly as training names it."""
     if model:
         return model
-    from pipelines.train_config import target_slug
+    from specdec.target import target_slug
 
     return f"dflash-{target_slug(target)}"
 

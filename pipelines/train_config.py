@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from specdec.target import target_slug  # noqa: F401  (re-exported: recipes name models by it)
 from pipelines.config import (FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, FeaturesConfig, apply_overrides, option,
                               parse_section, read_yaml)
 
 #: names the embedded default target goes by (see specdec.target.resolve_target_path)
-EMBEDDED_TARGET = {None, "", "default", "smollm2", "smollm2-135m"}
 
 
 @dataclass
@@ -148,16 +148,6 @@ class TrainRecipe:
         content = {"target": d["features"]["target"], "features_uri": self.features_uri, "drafter": d["drafter"],
                    "train": {k: v for k, v in d["train"].items() if k not in skip}}
         return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def target_slug(model: str | None) -> str:
-    """A short name for a target: ``Qwen/Qwen3-8B`` -> ``qwen3-8b``; the embedded default
-    is ``smollm2-135m`` (serving looks drafters up as ``dflash-<slug>``)."""
-    if model in EMBEDDED_TARGET:
-        return "smollm2-135m"
-    name = Path(str(model).rstrip("/")).name
-    name = re.sub(r"\.gguf$", "", name, flags=re.I)
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "target"
 
 
 def parse_recipe(data: dict, source: str = "") -> TrainRecipe:

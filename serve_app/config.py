@@ -4,13 +4,11 @@ machine serving the embedded SmolLM2 target; raise the limits on a cluster."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: Names that mean "the embedded SmolLM2-135M-Instruct" (see specdec.target.resolve_target_path).
-EMBEDDED_TARGETS = (None, "", "smollm2", "smollm2-135m", "default")
+from specdec.target import target_slug
 
 
 class ServeConfig(BaseModel):
@@ -110,12 +108,8 @@ class ServeConfig(BaseModel):
     # ---------------------------------------------------------------- derived
     @property
     def served_model_name(self) -> str:
-        if self.model_name:
-            return self.model_name
-        if self.target in EMBEDDED_TARGETS:
-            return "smollm2-135m"
-        p = Path(str(self.target))
-        return p.stem if p.suffix == ".gguf" else (p.name or str(self.target)).replace("/", "--")
+        # the training job registers dflash-<slug>: the same slug names the served model
+        return self.model_name or target_slug(self.target)
 
     @property
     def drafter_source(self) -> str | None:

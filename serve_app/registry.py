@@ -113,8 +113,10 @@ class DrafterSource:
         if not dst.exists() or not any(dst.iterdir()):
             tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)
-            mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{self.name}/{version}", dst_path=str(tmp),
-                                                tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+            # the version's own artifact URI: download_artifacts("models:/...") would consult the
+            # process-global registry URI rather than ours
+            uri = self._client().get_model_version_download_uri(self.name, str(version))
+            mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp), tracking_uri=self.tracking_uri)
             try:
                 tmp.rename(dst)
             except OSError:  # another replica on this node got there first

@@ -313,6 +313,8 @@ def _result(m: str, acc: dict[str, _Acc]) -> dict:
         "draft_s": float(a.draft) if engine else None,
         "verify_s": float(a.verify) if engine else None,
         "overhead_s": float(a.wall - a.draft - a.verify) if engine else None,
+        # tokens over the wall minus prefill: the steady-state rate batching is about
+        "decode_tokens_per_s": float(a.tokens / (a.wall - a.prefill)) if engine and a.wall > a.prefill else None,
     }
 
 
@@ -381,13 +383,15 @@ def _config(cfg: BenchConfig, target: Target, prompt_ids: list[str], prompts: li
 # ---------------------------------------------------------------------- output
 def format_report(report: dict) -> str:
     """The printed table, histogram, exactness and cost terms."""
-    lines = [f"{'method':<14}{'tok/s':>9}{'vs ar':>8}{'tau':>7}{'draft':>8}{'verify':>8}{'overhead':>9}"]
+    lines = [f"{'method':<14}{'tok/s':>9}{'vs ar':>8}{'tau':>7}{'draft':>8}{'verify':>8}{'overhead':>9}"
+             f"{'decode tok/s':>14}"]
     for r in report["results"]:
         tot = sum(r[k] or 0.0 for k in ("draft_s", "verify_s", "overhead_s"))
         share = lambda k: f"{100 * r[k] / tot:.0f}%" if r[k] is not None and tot else "-"  # noqa: E731
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
         lines.append(f"{r['method']:<14}{r['tokens_per_s']:>9.2f}{r['speedup_vs_ar']:>7.2f}x{tau:>7}"
-                     f"{share('draft_s'):>8}{share('verify_s'):>8}{share('overhead_s'):>9}")
+                     f"{share('draft_s'):>8}{share('verify_s'):>8}{share('overhead_s'):>9}"
+                     + (f"{r['decode_tokens_per_s']:>14.2f}" if r.get("decode_tokens_per_s") else f"{'-':>14}"))
     for r in report["results"]:
         if r["tau_hist"] and r["method"] != "ar":
             lines.append(f"accepted length histogram ({r['method']}):")

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -257,10 +258,23 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+EMBEDDED_NAMES = (None, "", "smollm2", "smollm2-135m", "default")
+
+
+def target_slug(model: str | None) -> str:
+    """A short name for a target: ``Qwen/Qwen3-8B`` -> ``qwen3-8b``; the embedded default
+    is ``smollm2-135m``. Training registers ``dflash-<slug>``; serving serves ``<slug>``."""
+    if model in EMBEDDED_NAMES:
+        return "smollm2-135m"
+    name = Path(str(model).rstrip("/")).name
+    name = re.sub(r"\.gguf$", "", name, flags=re.I)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "target"
+
+
 def resolve_target_path(name_or_path: str | None) -> str:
     """Map the embedded default (None, "smollm2", "smollm2-135m") to its converted cache;
     return anything else (local dir, hub id, .gguf file) converted or unchanged."""
-    if name_or_path in (None, "", "smollm2", "smollm2-135m", "default"):
+    if name_or_path in EMBEDDED_NAMES:
         return str(convert_gguf(assets.smollm2_gguf(), _cache_root() / "smollm2-135m-instruct"))
     p = Path(name_or_path)
     if p.suffix == ".gguf" and p.is_file():

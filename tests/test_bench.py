@@ -20,7 +20,8 @@ from specdec.target import load_target
 from specdec.tiny import save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_KEYS = {"method", "tokens_per_s", "speedup_vs_ar", "tau_mean", "tau_hist", "draft_s", "verify_s", "overhead_s"}
+RESULT_KEYS = {"method", "tokens_per_s", "speedup_vs_ar", "tau_mean", "tau_hist", "draft_s", "verify_s", "overhead_s",
+               "decode_tokens_per_s"}
 ALL = ["hf_generate", "ar", "dflash", "prompt_lookup", "oracle"]
 
 
@@ -68,8 +69,10 @@ def test_benchmark_schema_exactness_and_plot(assets):
         assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
         assert isinstance(r["speedup_vs_ar"], float)
         engine = r["method"] in ("ar", "dflash", "oracle")
-        for k in ("tau_mean", "draft_s", "verify_s", "overhead_s"):
+        for k in ("tau_mean", "draft_s", "verify_s", "overhead_s", "decode_tokens_per_s"):
             assert isinstance(r[k], float) if engine else r[k] is None, (r["method"], k)
+        if engine:  # prefill excluded: the decode rate is the higher one
+            assert r["decode_tokens_per_s"] > r["tokens_per_s"]
         if engine:
             assert all(isinstance(k, str) and isinstance(v, int) for k, v in r["tau_hist"].items())
         else:

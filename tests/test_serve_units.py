@@ -352,6 +352,15 @@ def test_config_defaults_builder_args_and_yaml():
     assert cfg.max_replicas == 2 and cfg.replica_cpus == 1  # fits 2 cores
     cli = load_config({"block_size": "8", "max_replicas": "4", "drafter": "none"})
     assert cli.block_size == 8 and cli.max_replicas == 4 and cli.drafter is None and not cli.speculation_requested
+    # the auto drafter is what the training job registers for the same target (dflash-<slug>)
+    from pipelines.train_config import parse_recipe
+
+    hub = load_config({"target": "Qwen/Qwen3-8B"})
+    recipe = parse_recipe({"features": {"output": "runs/f", "target": {"model": "Qwen/Qwen3-8B"}},
+                           "train": {"run_name": "r", "storage_path": "runs/t"}})
+    assert hub.served_model_name == "qwen3-8b"
+    assert hub.drafter_source == f"models:/{recipe.model_name}@champion" == "models:/dflash-qwen3-8b@champion"
+    assert load_config({"target": "Qwen/Qwen3-8B", "model_name": "Qwen/Qwen3-8B"}).served_model_name == "Qwen/Qwen3-8B"
     with pytest.raises(ValueError):
         load_config({"no_such_field": 1})
     with pytest.raises(ValueError):

@@ -22,7 +22,8 @@ import torch
 import yaml
 
 from pipelines.config import ConfigError
-from pipelines.train_config import load_train_recipe, parse_recipe, target_slug
+from pipelines.train_config import load_train_recipe, parse_recipe
+from specdec.target import target_slug
 from pipelines.train_data import holdout_mask
 
 REPO = Path(__file__).resolve().parents[1]
