@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import posixpath
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -222,6 +223,10 @@ def run_features(cfg: FeaturesConfig) -> dict:
     log.info("%s: %d shards planned, %d already committed, %d to run", uri, len(plan), len(plan) - len(pending),
              len(pending))
     progress = Progress(len(plan), len(plan) - len(pending))
+    if not sys.stdout.isatty():  # our per-shard line says it all; Ray's would log every 10 s
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
     wave = cfg.generation.vllm.wave_shards if cfg.generation.backend == "vllm" else max(1, len(pending))
     for start in range(0, len(pending), wave):
         for status in build_dataset(pending[start: start + wave], cfg, uri, options, run_key).iter_rows():

@@ -30,3 +30,19 @@ def smollm2():
     from specdec.target import load_target
 
     return load_target(None)
+
+
+# Modules that use these define a module-scoped ``work`` directory fixture.
+@pytest.fixture(scope="module")
+def target_dir(work):
+    """A tiny target whose greedy output cycles: drafters can learn it in seconds."""
+    from specdec.tiny import save_cyclic_target
+
+    return save_cyclic_target(work / "cyclic-target")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from specdec.target import load_target
+
+    return load_target(str(target_dir))

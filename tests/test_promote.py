@@ -165,20 +165,6 @@ def server(work):
 
 
 @pytest.fixture(scope="module")
-def target_dir(work) -> Path:
-    from specdec.tiny import save_cyclic_target
-
-    return save_cyclic_target(work / "cyclic-target")
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    from specdec.target import load_target
-
-    return load_target(str(target_dir))
-
-
-@pytest.fixture(scope="module")
 def prompts(work) -> str:
     path = work / "holdout.jsonl"
     rows = [{"id": f"h{i}", "prompt": q} for i, q in enumerate(["hi", "what is 3 + 4?", "name a cat", "sing"])]

@@ -21,8 +21,8 @@ import pytest
 import ray
 from ray import serve
 
-from test_serve_support import (ar_tokens, free_port, load, make_drafter, metric_value, private_dir,
-                                register_drafter, sse_events, tiny_target_dir, wait_for)
+from serve_helpers import (ar_tokens, free_port, load, make_drafter, metric_value, private_dir, restore_env,
+                           register_drafter, sse_events, tiny_target_dir, wait_for)
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -90,11 +90,7 @@ def _serve(root):
         srv.client.close()
         serve.shutdown()
         ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
 
 
 # ---------------------------------------------------------------------- happy paths

@@ -21,7 +21,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from serve_app.autoscaling import (POLICY_PATH, AcceptanceAwarePolicy, ReplicaLoad, autoscaling_config_dict,
                                    desired_replicas)
 from serve_app.config import load_config
-from test_serve_support import free_port, load, make_drafter, private_dir, tiny_target_dir, wait_for
+from serve_helpers import free_port, load, make_drafter, private_dir, restore_env, tiny_target_dir, wait_for
 
 DEP = DeploymentID(name="DFlashReplica", app_name="dflash")
 
@@ -109,11 +109,7 @@ def _scaling_app(root):
     finally:
         serve.shutdown()
         ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
 
 
 def _replicas() -> dict:

@@ -17,7 +17,7 @@ from serve_app import adaptive
 from serve_app.adaptive import AcceptanceModel, BlockSizeController, CostModel, LinearCost, choose_block_size
 from serve_app.config import ServeConfig, load_config
 from serve_app.protocol import APIError, Limits, parse_chat, parse_completion, parse_json
-from test_serve_support import BLOCK, ar_tokens, make_drafter, private_dir, register_drafter, tiny_target_dir
+from serve_helpers import BLOCK, ar_tokens, make_drafter, private_dir, register_drafter, tiny_target_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

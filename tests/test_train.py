@@ -52,20 +52,6 @@ def cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def target_dir(work) -> Path:
-    from specdec.tiny import save_cyclic_target
-
-    return save_cyclic_target(work / "cyclic-target")
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    from specdec.target import load_target
-
-    return load_target(str(target_dir))
-
-
 def features_section(work: Path, target_dir: Path) -> dict:
     return {"output": str(work / "features"), "target": {"model": str(target_dir)}, "layer_ids": LAYERS,
             "prompts": {"source": str(work / "prompts.jsonl"), "split": "all", "max_prompt_tokens": 80},

@@ -116,3 +116,14 @@ def metric_value(text: str, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    """Put environment variables back as ``saved`` recorded them (None: was unset)."""
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
