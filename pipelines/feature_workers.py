@@ -71,11 +71,15 @@ def progress_path(root: str, shard_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------- shared helpers
-def load_stage_target(target: dict, num_gpus: float):
-    """The target for a worker: on the GPU when the stage asked Ray for one."""
+def load_stage_target(target: dict, num_gpus: float, num_cpus: float | None = None):
+    """The target for a worker: on the GPU when the stage asked Ray for one. On a CPU the
+    stage's ``num_cpus`` sets torch's thread count: Ray exports no OMP_NUM_THREADS for
+    fractional CPUs, and every actor then spawning one thread per core oversubscribes."""
     from specdec.target import load_target
 
     device = "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+    if device == "cpu" and num_cpus is not None:
+        torch.set_num_threads(max(1, round(num_cpus)))
     return load_target(target["model"], dtype=target["dtype"], device=device,
                        trust_remote_code=target["trust_remote_code"])
 
@@ -133,7 +137,7 @@ class Regenerate:
     def __init__(self, target: dict, generation: dict, max_prompt_tokens: int):
         from specdec.sampling import SamplingParams
 
-        self.target = load_stage_target(target, generation["num_gpus"])
+        self.target = load_stage_target(target, generation["num_gpus"], generation["num_cpus"])
         self.encode = PromptEncoder(self.target.tokenizer, generation["enable_thinking"], max_prompt_tokens)
         self.params = SamplingParams(generation["temperature"], generation["top_p"], generation["top_k"])
         self.gen = generation
@@ -296,8 +300,9 @@ class ExtractFeatures:
     one Parquet file and committed by its progress record (see :class:`ShardWriter`)."""
 
     def __init__(self, run_uri: str, storage_options: dict, target: dict, layer_ids: list[int] | None,
-                 num_layers: int, storage_cfg: dict, batch_size: int, num_gpus: float, run_key: str):
-        loaded = load_stage_target(target, num_gpus)
+                 num_layers: int, storage_cfg: dict, batch_size: int, num_gpus: float, run_key: str,
+                 num_cpus: float | None = None):
+        loaded = load_stage_target(target, num_gpus, num_cpus)
         self.writer = ShardWriter(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers),
                                   storage_cfg["dtype"], storage_cfg["compression"], batch_size, run_uri,
                                   storage_options, run_key, model_id=target["model"])

@@ -171,7 +171,8 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
         fn_constructor_kwargs={"run_uri": uri, "storage_options": options, "target": target,
                                "layer_ids": cfg.layer_ids, "num_layers": cfg.num_layers,
                                "storage_cfg": dataclasses.asdict(cfg.storage), "batch_size": cfg.extract.batch_size,
-                               "num_gpus": cfg.extract.num_gpus, "run_key": run_key},
+                               "num_gpus": cfg.extract.num_gpus, "num_cpus": cfg.extract.num_cpus,
+                               "run_key": run_key},
         compute=ray.data.ActorPoolStrategy(size=cfg.extract.actors),
         num_cpus=cfg.extract.num_cpus, num_gpus=cfg.extract.num_gpus,
     )
