@@ -7,6 +7,8 @@ row carries the prompts of one shard (``shard_id``, ``ids``, ``messages`` as JSO
 * :class:`ExtractFeatures`: one teacher-forced target pass per mini-batch captures the
   selected layers; the shard is written as one Parquet file (a row group per mini-batch)
   and then committed by a small JSON record. It returns one status row per shard.
+* :class:`GenerateAndWrite` (``extract.from_generation``, hf backend): one actor does both,
+  keeping the features that decoding computes anyway (no second pass).
 
 Features never leave the extracting actor except as bytes on their way to storage, so
 memory stays bounded by a couple of mini-batches whatever the run's size.
@@ -145,8 +147,11 @@ class Regenerate:
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self.regenerate(row) for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
 
-    def regenerate(self, shard: dict) -> dict:
-        from specdec.engine import Engine, Request
+    def regenerate(self, shard: dict, record_layers: list[int] | None = None,
+                   record_dtype: torch.dtype | None = None) -> dict:
+        """The shard's sequences; with ``record_layers`` also ``features``: per sequence the
+        (tokens, F) features decoding computed (see specdec.engine.FeatureRecorder)."""
+        from specdec.engine import Engine, FeatureRecorder, Request
 
         t0 = time.perf_counter()
         out = _empty_sequences(shard["shard_id"])
@@ -159,13 +164,23 @@ class Regenerate:
             else:
                 todo.append((sample_id, prompt))
         todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: less padding
-        engine = Engine(self.target, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
+        recorder = FeatureRecorder(record_layers, record_dtype) if record_layers else None
+        engine = Engine(self.target, recorder, block_size=1, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
+        if recorder:
+            out["features"] = []
         for chunk in _chunks(todo, self.gen["batch_size"]):
             requests = [Request(prompt, self.gen["max_new_tokens"], self.params) for _, prompt in chunk]
             for (sample_id, prompt), result in zip(chunk, engine.generate(requests)):
                 _add_sequence(out, sample_id, prompt, result.tokens, result.finish_reason)
+                if recorder:
+                    out["features"].append(recorder.features(result))
         out["gen_seconds"] = time.perf_counter() - t0
         return out
+
+
+def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    """(B, T_max, F) from (T_i, F) tensors, right-padded with zeros."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def _empty_sequences(shard_id: str) -> dict:
@@ -311,6 +326,32 @@ class ExtractFeatures:
         return pa.Table.from_pylist([self.writer.write_shard(row) for row in batch.to_pylist()], schema=STATUS_SCHEMA)
 
 
+class GenerateAndWrite:
+    """Stateful Ray Data actor (``extract.from_generation``): the target answers a shard's
+    prompts, and the features its decoding passes computed are written and committed
+    right away. Same shard files and records as Regenerate -> ExtractFeatures, except
+    that each sequence's last token has zero features (it is never fed to the target,
+    and training never reads it), for about a third less compute on a CPU."""
+
+    def __init__(self, run_uri: str, storage_options: dict, target: dict, layer_ids: list[int] | None,
+                 num_layers: int, storage_cfg: dict, batch_size: int, generation: dict, max_prompt_tokens: int,
+                 run_key: str):
+        self.regen = Regenerate(target, generation, max_prompt_tokens)
+        loaded = self.regen.target
+        self.writer = ShardWriter(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers),
+                                  storage_cfg["dtype"], storage_cfg["compression"], batch_size, run_uri,
+                                  storage_options, run_key, model_id=target["model"])
+        # half-precision layouts: hold the generation's features in that dtype already
+        self.record_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(storage_cfg["dtype"])
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for shard in batch.to_pylist():
+            seqs = self.regen.regenerate(shard, self.writer.layer_ids, self.record_dtype)
+            rows.append(self.writer.write_shard(seqs, seqs.pop("features")))
+        return pa.Table.from_pylist(rows, schema=STATUS_SCHEMA)
+
+
 class ShardWriter:
     """Features of a shard's sequences -> one Parquet file (a row group per mini-batch)
     -> the shard's progress record, its commit point."""
@@ -347,7 +388,9 @@ class ShardWriter:
         return self.target(ids, pos, None, None, self.layer_ids).features
 
     # ------------------------------------------------------------------ one shard
-    def write_shard(self, shard: dict) -> dict:
+    def write_shard(self, shard: dict, recorded: list[torch.Tensor] | None = None) -> dict:
+        """Write and commit one shard; ``recorded`` (per sequence, as in ``shard``) are
+        features computed while generating, else one teacher-forced pass computes them."""
         t0 = time.perf_counter()
         shard_id = shard["shard_id"]
         rel = f"shards/shard-{shard_id}-{uuid.uuid4().hex[:8]}.parquet"  # per attempt: retries never clash
@@ -362,7 +405,8 @@ class ShardWriter:
                     seqs = [shard["input_ids"][i] for i in chunk]
                     # tensor work stays on this thread (a second thread would start its own
                     # intra-op thread team); the I/O thread only builds, hashes and writes bytes
-                    encoded = self.layout.encode_batch(self.features(seqs), [len(q) for q in seqs])
+                    feats = _pad_stack([recorded[i] for i in chunk]) if recorded else self.features(seqs)
+                    encoded = self.layout.encode_batch(feats, [len(q) for q in seqs])
                     if pending is not None:
                         pending.result()
                     if self.io is None:

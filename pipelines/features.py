@@ -43,7 +43,8 @@ import pyarrow.parquet as pq
 from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig
 from pipelines.feature_format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
-from pipelines.feature_workers import ExtractFeatures, Regenerate, regenerate_vllm, resolve_layer_ids
+from pipelines.feature_workers import (ExtractFeatures, GenerateAndWrite, Regenerate, regenerate_vllm,
+                                       resolve_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,18 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
     ds = ray.data.from_items([s.as_row() for s in shards], override_num_blocks=len(shards))
     target = dataclasses.asdict(cfg.target)
     gen = dataclasses.asdict(cfg.generation)
+    storage_cfg = dataclasses.asdict(cfg.storage)
+    if cfg.extract.from_generation:  # one stage: the generating actors write the shards
+        return ds.map_batches(
+            GenerateAndWrite, batch_size=1, batch_format="pyarrow",
+            fn_constructor_kwargs={"run_uri": uri, "storage_options": options, "target": target,
+                                   "layer_ids": cfg.layer_ids, "num_layers": cfg.num_layers,
+                                   "storage_cfg": storage_cfg, "batch_size": cfg.extract.batch_size,
+                                   "generation": gen, "max_prompt_tokens": cfg.prompts.max_prompt_tokens,
+                                   "run_key": run_key},
+            compute=ray.data.ActorPoolStrategy(size=cfg.generation.actors),
+            num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
+        )
     if cfg.generation.backend == "hf":
         ds = ds.map_batches(
             Regenerate, batch_size=1, batch_format="pyarrow",
@@ -170,7 +183,7 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
         ExtractFeatures, batch_size=1, batch_format="pyarrow",
         fn_constructor_kwargs={"run_uri": uri, "storage_options": options, "target": target,
                                "layer_ids": cfg.layer_ids, "num_layers": cfg.num_layers,
-                               "storage_cfg": dataclasses.asdict(cfg.storage), "batch_size": cfg.extract.batch_size,
+                               "storage_cfg": storage_cfg, "batch_size": cfg.extract.batch_size,
                                "num_gpus": cfg.extract.num_gpus, "num_cpus": cfg.extract.num_cpus,
                                "run_key": run_key},
         compute=ray.data.ActorPoolStrategy(size=cfg.extract.actors),
@@ -290,6 +303,8 @@ def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
         "dtype": layout["dtype"],
         "scale_dtype": layout["scale_dtype"],
         "generation": content["generation"],
+        # "generation": kept from the decoding passes (each sequence's last token is zero)
+        "extraction": "generation" if cfg.extract.from_generation else "teacher_forced",
         "prompts": content["prompts"],
         "num_samples": sum(r["rows"] for r in records),
         "num_tokens": tokens,

@@ -310,6 +310,50 @@ class OracleProposer:
         pass
 
 
+class FeatureRecorder:
+    """Never drafts (run the engine at ``block_size=1``); keeps the target features that
+    plain decoding computes anyway, so training data needs no second, teacher-forced pass.
+
+    Every position a sequence's tokens occupy gets its features except the last generated
+    token, which is never fed back: ``features(result)`` returns
+    ``(len(prompt) + len(tokens), F)`` with that final row zero. Training never reads it
+    (a block sees context strictly before its anchor)."""
+
+    needs_features = True
+
+    def __init__(self, layer_ids: list[int], dtype: torch.dtype | None = None):
+        self.layer_ids = list(layer_ids)
+        self.dtype = dtype  # e.g. float16: halve what a long generation holds
+        self.live: list[tuple[Result, list[torch.Tensor]]] = []
+        self.done: dict[int, torch.Tensor] = {}
+
+    def admit(self, engine, rows, features, lens):
+        for i, row in enumerate(rows):
+            self.live.append((row, [self._keep(features[i, : int(lens[i])])]))
+
+    def propose(self, engine: Engine, k: int):
+        raise RuntimeError("FeatureRecorder never drafts: run the engine with block_size=1")
+
+    def commit(self, features, keep):
+        for i, (_, parts) in enumerate(self.live):
+            parts.append(self._keep(features[i, : int(keep[i])]))
+
+    def select(self, idx):
+        kept = set(idx.tolist())
+        for i, (row, parts) in enumerate(self.live):
+            if i not in kept:
+                feats = torch.cat(parts)
+                self.done[id(row.request)] = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
+        self.live = [self.live[i] for i in idx.tolist()]
+
+    def features(self, result: Result) -> torch.Tensor:
+        """The finished ``result``'s features (popped: each is handed out once)."""
+        return self.done.pop(id(result.request))
+
+    def _keep(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype) if self.dtype is not None else x.clone()
+
+
 def _cat_padded(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     """Concatenate (B, T, F) tensors on the batch dim, right-padding T."""
     if a is None or a.shape[0] == 0:

@@ -213,3 +213,28 @@ def test_continuous_batching_joins_and_cancels(tiny):
     by_req = {id(r.request): r.tokens for r in done}
     for i in (0, 2, 3):
         assert by_req[id(reqs[i])] == ref[i]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_feature_recorder_equals_a_teacher_forced_pass(tiny, family):
+    """Features kept while decoding a ragged batch (rows finishing at different steps) are
+    the teacher-forced features of prompt + completion; only the last token has none."""
+    from specdec.engine import FeatureRecorder
+
+    t = tiny(family)
+    layers = [0, t.num_layers // 2, t.num_layers - 1]
+    rec = FeatureRecorder(layers)
+    reqs = [Request(p, n, stop_ids=NO_STOP) for p, n in zip(PROMPTS, [7, 1, 12, 4])]
+    results = Engine(t, rec, block_size=1).generate(reqs)
+    assert [r.tokens for r in results] == [ar_reference(t, [r.request.prompt], len(r.tokens))[0] for r in results]
+    for r in results:
+        seq = r.request.prompt + r.tokens
+        got = rec.features(r)
+        assert got.shape == (len(seq), len(layers) * t.hidden_size)
+        ids = torch.tensor([seq])
+        want = t(ids, torch.arange(len(seq))[None], None, None, layers).features[0]
+        torch.testing.assert_close(got[:-1], want[:-1], rtol=1e-9, atol=1e-9)
+        assert not got[-1].any()
+    assert not rec.done and not rec.live  # every row handed out once
+    with pytest.raises(RuntimeError, match="block_size=1"):
+        Engine(t, FeatureRecorder(layers), block_size=4).generate([Request(PROMPTS[0], 3, stop_ids=NO_STOP)])

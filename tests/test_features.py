@@ -171,6 +171,7 @@ def test_local_run_end_to_end(local_run, tiny):
     assert len(shard_lines) == 3  # progress while it runs: one line per shard
     assert all("rows/s" in line and "tok/s" in line and "written" in line for line in shard_lines)
     assert m["target"]["identity"] == tiny.identity and m["target"]["model_id"] == cfg.target.model
+    assert m["extraction"] == "teacher_forced"
     assert (m["layer_ids"], m["hidden_size"], m["dtype"], m["feature_dim"]) == (LAYERS, 64, "float16", 192)
     assert m["tokenizer"]["hash"] == expected_for(tiny, LAYERS)["tokenizer_hash"]
     assert m["num_tokens"] == sum(s["tokens"] for s in m["shards"])
@@ -187,6 +188,28 @@ def test_local_run_end_to_end(local_run, tiny):
     again = run_features(cfg)
     assert again["already_committed"] and again["shards_run"] == 0
     assert {p: p.stat().st_mtime_ns for p in Path(uri).rglob("*") if p.is_file()} == before
+
+
+def test_features_from_generation_match_the_teacher_forced_run(local_run, ray_address, work, tiny_dir,
+                                                                prompts_file, tiny):
+    """extract.from_generation: one stage, the same sequences and (to fp16) the same
+    features as the two-stage run, except the last token of each sequence (zero)."""
+    path = recipe(work, tiny_dir, prompts_file, str(work / "run-fused"), "fused", extract={"from_generation": True})
+    cfg = load_features_config(path)
+    summary = run_features(cfg)
+    uri = storage.absolute_uri(cfg.output)
+    m = assert_exactly_once(uri)
+    assert summary["shards_run"] == 3 and m["extraction"] == "generation"
+    layout = FeatureLayout.from_manifest(m)
+    fused = {r["id"]: layout.decode_row(r) for r in read_features(uri, **expected_for(tiny, LAYERS)).take_all()}
+    base_uri = storage.absolute_uri(local_run[0].output)
+    base = {r["id"]: layout.decode_row(r) for r in read_features(base_uri, **expected_for(tiny, LAYERS)).take_all()}
+    assert fused.keys() == base.keys()
+    for key, row in fused.items():
+        assert row["input_ids"].tolist() == base[key]["input_ids"].tolist()
+        assert row["loss_mask"].tolist() == base[key]["loss_mask"].tolist()
+        torch.testing.assert_close(row["features"][:-1], base[key]["features"][:-1], rtol=2e-3, atol=2e-3)
+        assert not row["features"][-1].any()
 
 
 def test_restart_with_other_settings_is_refused(local_run):

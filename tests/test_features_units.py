@@ -43,6 +43,8 @@ def test_shipped_recipe_loads_and_ignores_other_stages_sections(tmp_path):
     ({"output": "x", "prompts": {"limit": "ten"}}, "features.prompts.limit: expected int, got 'ten'"),
     ({"output": "x", "generation": {"backend": "vllm"}}, "features.generation.num_gpus"),
     ({"target": {"model": "m"}}, "features.output: required"),
+    ({"output": "x", "extract": {"from_generation": True}, "generation": {"backend": "vllm", "num_gpus": 1}},
+     "features.extract.from_generation: only the hf backend"),
 ])
 def test_recipe_errors_name_the_key(tmp_path, features, message):
     with pytest.raises(ConfigError) as err:
@@ -65,6 +67,9 @@ def test_content_ignores_resources_but_not_generation():
     b = parse_section(FeaturesConfig, {"output": "y", "extract": {"actors": 4}}, "features")
     c = parse_section(FeaturesConfig, {"output": "x", "generation": {"temperature": 0.7}}, "features")
     assert a.content() == b.content() != c.content()
+    # keeping features from generation changes the data (last token): it is part of the identity
+    d = parse_section(FeaturesConfig, {"output": "x", "extract": {"from_generation": True}}, "features")
+    assert d.content() == a.content() | {"extract": {"from_generation": True}}
 
 
 # ---------------------------------------------------------------------------- encodings
