@@ -318,9 +318,8 @@ class ExtractFeatures:
                  num_layers: int, storage_cfg: dict, batch_size: int, num_gpus: float, run_key: str,
                  num_cpus: float | None = None):
         loaded = load_stage_target(target, num_gpus, num_cpus)
-        self.writer = ShardWriter(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers),
-                                  storage_cfg["dtype"], storage_cfg["compression"], batch_size, run_uri,
-                                  storage_options, run_key, model_id=target["model"])
+        self.writer = ShardWriter.for_stage(loaded, target, layer_ids, num_layers, storage_cfg, batch_size, run_uri,
+                                            storage_options, run_key)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist([self.writer.write_shard(row) for row in batch.to_pylist()], schema=STATUS_SCHEMA)
@@ -338,9 +337,8 @@ class GenerateAndWrite:
                  run_key: str):
         self.regen = Regenerate(target, generation, max_prompt_tokens)
         loaded = self.regen.target
-        self.writer = ShardWriter(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers),
-                                  storage_cfg["dtype"], storage_cfg["compression"], batch_size, run_uri,
-                                  storage_options, run_key, model_id=target["model"])
+        self.writer = ShardWriter.for_stage(loaded, target, layer_ids, num_layers, storage_cfg, batch_size, run_uri,
+                                            storage_options, run_key)
         # half-precision layouts: hold the generation's features in that dtype already
         self.record_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(storage_cfg["dtype"])
 
@@ -355,6 +353,14 @@ class GenerateAndWrite:
 class ShardWriter:
     """Features of a shard's sequences -> one Parquet file (a row group per mini-batch)
     -> the shard's progress record, its commit point."""
+
+    @classmethod
+    def for_stage(cls, loaded, target: dict, layer_ids: list[int] | None, num_layers: int, storage_cfg: dict,
+                  batch_size: int, run_uri: str, storage_options: dict, run_key: str) -> "ShardWriter":
+        """The writer a pipeline actor uses, from the stage's recipe sections."""
+        return cls(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers), storage_cfg["dtype"],
+                   storage_cfg["compression"], batch_size, run_uri, storage_options, run_key,
+                   model_id=target["model"])
 
     def __init__(self, target, layer_ids: list[int], dtype: str, compression: str, batch_size: int,
                  run_uri: str, storage_options: dict, run_key: str, model_id: str, overlap_io: bool | None = None):
@@ -405,7 +411,7 @@ class ShardWriter:
                     seqs = [shard["input_ids"][i] for i in chunk]
                     # tensor work stays on this thread (a second thread would start its own
                     # intra-op thread team); the I/O thread only builds, hashes and writes bytes
-                    feats = _pad_stack([recorded[i] for i in chunk]) if recorded else self.features(seqs)
+                    feats = _pad_stack([recorded[i] for i in chunk]) if recorded is not None else self.features(seqs)
                     encoded = self.layout.encode_batch(feats, [len(q) for q in seqs])
                     if pending is not None:
                         pending.result()
