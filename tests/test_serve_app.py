@@ -11,6 +11,7 @@ trained for another target is refused with a clear error.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -289,25 +290,32 @@ def _replica_actor_names() -> list[str]:
 
 def test_replica_crash_gives_clean_error_and_is_replaced(server):
     (name,) = _replica_actor_names()
-    out = {}
+    out = {"events": []}
+    streaming_started = threading.Event()
 
     def streaming():
         with server.client.stream("POST", "/v1/completions", json={"prompt": "crash test", "max_tokens": LIMIT,
                                                                    "temperature": 0, "stream": True}) as r:
             out["status"] = r.status_code
-            out["events"] = sse_events(r)
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    out["events"].append(data if data == "[DONE]" else json.loads(data))
+                    streaming_started.set()
 
     t = threading.Thread(target=streaming)
     t.start()
-    wait_for(lambda: metric_value(server.metrics(), "dflash_active_requests") >= 1, 30, interval=0.1,
-             what="the stream to start")
+    # kill only once tokens flow: a replica that dies before its first event is a 503 (the request below)
+    assert streaming_started.wait(60), f"the stream did not start: {out}"
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     t.join(90)
     assert not t.is_alive(), "the in-flight stream hung after its replica died"
     events = out["events"]
-    assert events[-1] == "[DONE]"
+    assert out["status"] == 200 and events[-1] == "[DONE]", (out["status"], events[-3:])
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert errors and errors[0]["error"]["type"] == "server_error", events[-3:]
+    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0].get("finish_reason")
+                   for e in events), "a killed generation must not look finished"
 
     t0 = time.monotonic()
     during = server.chat("during the restart", 4)  # queued until a replica is back, or a clean 503
