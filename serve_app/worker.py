@@ -31,6 +31,27 @@ from serve_app.metrics import ReplicaMetrics
 log = logging.getLogger(__name__)
 
 
+def plan_admissions(lengths: list[int], room: int, budget: int) -> list[int]:
+    """Indices of the waiting prompts (oldest first) to prefill together this turn.
+
+    A batched prefill pads every prompt to the longest, so it costs rows x longest
+    tokens, not the sum. The oldest request always goes (when there is room); later ones
+    join while the padded cost stays within ``budget``, skipping any that would blow it,
+    so short prompts are not padded to a long one. A skipped prompt is only passed while
+    an older one heads the queue, so nothing starves.
+    """
+    picked: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if len(picked) >= room:
+            break
+        if picked and max(longest, n) * (len(picked) + 1) > budget:
+            continue
+        picked.append(i)
+        longest = max(longest, n)
+    return picked
+
+
 class Stream:
     """One request's output channel: the engine thread pushes, an asyncio task reads.
 
@@ -259,17 +280,13 @@ class EngineWorker:
                     stream.push(("error", why))
 
     def _take_admissions(self) -> list[Stream]:
-        """Waiting requests that fit the batch and this turn's prefill budget (at least one
-        when there is room), so a burst of long prompts does not stall live rows."""
+        """Waiting requests for this turn's prefill (see ``plan_admissions``)."""
         room = max(0, self.max_batch_size - len(self._live))
-        admit: list[Stream] = []
-        tokens = 0
-        while self._waiting and len(admit) < room:
-            n = len(self._waiting[0].request.prompt)
-            if admit and tokens + n > self.max_prefill_tokens:
-                break
-            admit.append(self._waiting.popleft())
-            tokens += n
+        waiting = list(self._waiting)
+        picked = plan_admissions([len(s.request.prompt) for s in waiting], room, self.max_prefill_tokens)
+        admit = [waiting[i] for i in picked]
+        for s in admit:
+            self._waiting.remove(s)
         return admit
 
     def _install(self, drafter, version: str) -> None:

@@ -179,6 +179,30 @@ def _drain(stream):
     return run()
 
 
+def test_plan_admissions_bounds_padded_prefill_and_keeps_order():
+    from serve_app.worker import plan_admissions
+
+    # the oldest always goes, even over budget; the padded cost is rows x longest
+    assert plan_admissions([5000, 10, 10], room=4, budget=2048) == [0]
+    assert plan_admissions([400, 30, 900, 50, 60], room=8, budget=2048) == [0, 1, 3, 4]
+    # a long prompt does not pad short ones: it is skipped, and heads the next turn
+    lengths = [100, 1500, 120, 90, 80]
+    first = plan_admissions(lengths, room=8, budget=1024)
+    assert first == [0, 2, 3, 4]
+    assert plan_admissions([lengths[1]], room=8, budget=1024) == [0]
+    # room caps the rows; an empty queue or no room admits nothing
+    assert plan_admissions([10] * 10, room=3, budget=2048) == [0, 1, 2]
+    assert plan_admissions([10] * 10, room=0, budget=2048) == []
+    assert plan_admissions([], room=4, budget=2048) == []
+    for _ in range(200):  # random queues: budget holds beyond the first row, order is kept
+        lengths = [random.randint(1, 700) for _ in range(random.randint(1, 20))]
+        room, budget = random.randint(1, 16), random.randint(1, 4096)
+        picked = plan_admissions(lengths, room, budget)
+        assert picked == sorted(picked) and len(picked) <= room and (picked[:1] == [0])
+        if len(picked) > 1:
+            assert max(lengths[i] for i in picked) * len(picked) <= budget
+
+
 def test_worker_batches_concurrent_requests_exactly(tiny):
     from specdec.checkpoint import load_drafter
     from specdec.engine import Request
