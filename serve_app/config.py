@@ -36,7 +36,7 @@ class ServeConfig(BaseModel):
 
     # ---------------------------------------------------------------- limits
     max_batch_size: int = Field(16, ge=1, description="Rows a replica's engine decodes together")
-    max_prefill_tokens: int = Field(2048, ge=1, description="Padded prompt tokens (rows x longest prompt) "
+    max_prefill_tokens: int = Field(1024, ge=1, description="Padded prompt tokens (rows x longest prompt) "
                                     "prefilled per engine turn (at least one request): bounds the stall a burst "
                                     "of prompts causes and keeps short prompts out of long ones' padding")
     max_ongoing_requests: int | None = Field(None, ge=1, description="Per replica, running + waiting "

@@ -163,7 +163,7 @@ class _Generation:
 
 class EngineWorker:
     def __init__(self, target, drafter=None, drafter_version: str = "", *, mode: str | int = "auto",
-                 max_batch_size: int = 16, max_prefill_tokens: int = 2048, seed: int | None = None,
+                 max_batch_size: int = 16, max_prefill_tokens: int = 1024, seed: int | None = None,
                  metrics: ReplicaMetrics | None = None):
         self.target = target
         self.mode = mode
