@@ -236,13 +236,16 @@ class DFlashProposer:
         self.pending_n = torch.zeros(0, dtype=torch.long, device=target.device)
 
     def admit(self, engine, rows, features, lens):
+        # The prompts go straight into the new rows' own cache. Left pending, they would be
+        # ingested together with the live rows' few pending features, padded to the longest
+        # prompt: a drafter pass over (all rows x prompt length) for every admission.
         cache = DynamicCache()
-        # empty K/V per layer so concat sees a layer list
-        kv0 = self.drafter.context_kv(features[:, :0], torch.zeros_like(features[:, :0, 0], dtype=torch.long))
-        kvcache.append(cache, kv0)
-        self.cache, self.lens = kvcache.concat([self.cache, cache], [self.lens, torch.zeros_like(lens)])
-        self.pending = _cat_padded(self.pending, features)
-        self.pending_n = torch.cat([self.pending_n, lens])
+        pos = torch.arange(features.shape[1], device=lens.device)[None].expand(len(rows), -1)
+        kvcache.append(cache, self.drafter.context_kv(features, pos))
+        kvcache.commit(cache, torch.zeros_like(lens), 0, lens)
+        self.cache, self.lens = kvcache.concat([self.cache, cache], [self.lens, lens])
+        self.pending = _cat_padded(self.pending, features[:, :0])
+        self.pending_n = torch.cat([self.pending_n, torch.zeros_like(lens)])
 
     @torch.no_grad()
     def propose(self, engine: Engine, k: int):

@@ -266,7 +266,8 @@ def test_worker_cancel_frees_the_row_and_swap_keeps_live_rows(tiny):
 
 def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
     """Steps with speculation off (k = 1) must still feed the drafter's context cache: after
-    any mix of block sizes the cache equals the context computed from scratch."""
+    any mix of block sizes, and a row joining mid-stream, the cache equals the context
+    computed from scratch."""
     from specdec import kvcache
     from specdec.checkpoint import load_drafter
     from specdec.engine import DFlashProposer, Engine, Request
@@ -281,8 +282,13 @@ def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
     prop.flush()
     for k in (1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 2, 1, 1):
         engine.step(k)
+    # a longer prompt joins while the live rows hold pending features
+    engine.add([Request(target.encode_chat([{"role": "user", "content": "y " * 20}]), max_new_tokens=200)])
+    for k in (1, 3, 1, 1, 1):
+        engine.step(k)
     prop.flush()
     inner = prop.inner
+    assert len(engine.rows) == 3
     assert inner.lens.tolist() == engine.lens.tolist()
     for b, row in enumerate(engine.rows):
         ids = torch.tensor([row.request.prompt + row.tokens[:-1]])
