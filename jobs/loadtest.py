@@ -214,7 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ar-url", help="AR endpoint base URL (same app with drafter=none)")
     ap.add_argument("--start", action="store_true", help="start both apps in-process (ignores --url/--ar-url)")
     ap.add_argument("--concurrency", default="1,2,4,8,16", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    ap.add_argument("--requests", type=int, default=32,
+                    help="requests per level (at least the concurrency); several waves per level keep the "
+                         "spec/AR ratio out of one wave's noise")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval | a prompt file (specdec.prompts)")
     ap.add_argument("--model", default=None, help="model name to send (default: the server's)")

@@ -165,6 +165,32 @@ def test_eight_concurrent_requests_are_batched_and_exact(server):
     assert max(rows) >= 2, rows  # they shared verify passes
 
 
+def test_loadtest_drives_the_endpoint_and_reports_every_level(server):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+    import loadtest
+
+    prompts = server.root / "lt-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about item number {i}."}) + "\n" for i in range(6)))
+    out = server.root / "loadtest"
+    assert loadtest.main(["--url", server.url, "--ar-url", server.url, "--concurrency", "1,2", "--requests", "3",
+                          "--max-tokens", "6", "--prompts", str(prompts), "--model", MODEL, "--api-key", API_KEY,
+                          "--out", str(out)]) == 0
+    report = json.loads((out / "loadtest.json").read_text())
+    for mode in ("spec", "ar"):
+        rows = report["results"][mode]
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        for r in rows:
+            assert r["requests"] == 3 and r["errors"] == 0, r
+            assert r["completion_tokens"] == 18 and r["tokens_per_s"] > 0  # 6 tokens each: no EOS here
+            assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+            assert r["replica_cpu_s_per_token"] is not None and r["replica_cpu_s_per_token"] > 0
+    assert set(report["speedup"]) == {"1", "2"}
+    assert (out / "loadtest.png").stat().st_size > 0
+
+
 def test_sampling_and_stop_strings(server):
     r = server.chat("Sample something", 16, temperature=0.8, top_p=0.9, top_k=50)
     assert r.status_code == 200, r.text
