@@ -241,8 +241,7 @@ class DFlashProposer:
         # prompt: a drafter pass over (all rows x prompt length) for every admission.
         cache = DynamicCache()
         pos = torch.arange(features.shape[1], device=lens.device)[None].expand(len(rows), -1)
-        kvcache.append(cache, self.drafter.context_kv(features, pos))
-        kvcache.commit(cache, torch.zeros_like(lens), 0, lens)
+        kvcache.append(cache, self.drafter.context_kv(features, pos))  # padded past lens, masked by lens
         self.cache, self.lens = kvcache.concat([self.cache, cache], [self.lens, lens])
         self.pending = _cat_padded(self.pending, features[:, :0])
         self.pending_n = torch.cat([self.pending_n, torch.zeros_like(lens)])
