@@ -141,7 +141,8 @@ class TimedProposer:
         inner.pending, inner.pending_n = out, inner.pending_n + keep
 
     def flush(self) -> None:
-        """Cache every pending feature now (after a prefill, so that cost counts as prefill)."""
+        """Cache every pending feature now (new rows' prompts are cached at admission; this
+        is only the live rows' few AR-step features, otherwise batched every ``max_pending``)."""
         if self.inner.pending is not None and self.inner.pending.shape[1] > 0:
             self.inner._ingest()
 
@@ -283,11 +284,11 @@ class EngineWorker:
         """Waiting requests for this turn's prefill (see ``plan_admissions``)."""
         room = max(0, self.max_batch_size - len(self._live))
         waiting = list(self._waiting)
-        picked = plan_admissions([len(s.request.prompt) for s in waiting], room, self.max_prefill_tokens)
-        admit = [waiting[i] for i in picked]
-        for s in admit:
-            self._waiting.remove(s)
-        return admit
+        picked = set(plan_admissions([len(s.request.prompt) for s in waiting], room, self.max_prefill_tokens))
+        if not picked:
+            return []
+        self._waiting = deque(s for i, s in enumerate(waiting) if i not in picked)
+        return [waiting[i] for i in sorted(picked)]
 
     def _install(self, drafter, version: str) -> None:
         old = self._gens[0]
@@ -324,8 +325,6 @@ class EngineWorker:
                 self.metrics.finished("error")
                 s.push(("error", f"prefill failed: {type(e).__name__}: {e}"))
             return
-        if gen.proposer is not None:
-            gen.proposer.flush()
         self.metrics.prefill(time.perf_counter() - t0)
         self._publish(gen.engine.rows + done, done)
 

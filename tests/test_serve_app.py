@@ -166,11 +166,13 @@ def test_eight_concurrent_requests_are_batched_and_exact(server):
 
 
 def test_loadtest_drives_the_endpoint_and_reports_every_level(server):
-    import sys
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-    import loadtest
+    path = Path(__file__).resolve().parents[1] / "jobs" / "loadtest.py"
+    spec = importlib.util.spec_from_file_location("loadtest_job", path)
+    loadtest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadtest)
 
     prompts = server.root / "lt-prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me about item number {i}."}) + "\n" for i in range(6)))
