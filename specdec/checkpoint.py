@@ -36,7 +36,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                  target=None) -> DFlashDrafter:
-    """Load a drafter directory (ours or a published one). With ``target``, check that it fits."""
+    """Load a drafter directory (ours or a published one). With ``target``, check that it
+    fits; ``dtype`` None computes at the target's dtype (else at the stored one)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.exists() or not weights.exists():
@@ -50,7 +51,8 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{path}: tensors missing={sorted(missing)} unexpected={sorted(unexpected)}")
-    drafter = drafter.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
+    dtype = dtype or (target.dtype if target is not None else stored)
+    drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if target is not None:
         check_compatible(cfg, target)
     return drafter

@@ -226,6 +226,9 @@ class DFlashProposer:
     needs_features = True
 
     def __init__(self, drafter, target: Target):
+        from specdec.cpu_kernels import pack_linears
+
+        pack_linears(drafter)  # inference only; a no-op off CPU and for float64
         self.drafter = drafter
         self.target = target
         self.layer_ids = list(drafter.config.target_layer_ids)
