@@ -39,6 +39,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import torch
 
 from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig
@@ -468,6 +469,26 @@ def _read_shards(entries: pa.Table, uri: str, options: dict, verify: bool):
                 raise CorruptShardError(entry["path"], f"{shard.metadata.num_rows} rows, manifest says {entry['rows']}")
             for batch in shard.iter_batches(batch_size=_READ_ROWS):
                 yield pa.Table.from_batches([batch])
+
+
+def response_token_counts(uri: str, storage_options: dict | None, vocab_size: int,
+                          holdout_fraction: float = 0.0) -> torch.Tensor:
+    """Response-token frequencies (V,) of a committed run, reading only the token columns
+    of each shard; rows held out by ``holdout_fraction`` (by id hash) are left out."""
+    from pipelines.train_data import holdout_mask
+    from specdec.draft_vocab import count_tokens
+
+    uri = storage.absolute_uri(uri)
+    options = storage.resolve_options(uri, storage_options)
+    fs, root = storage.filesystem(uri, options)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for entry in load_manifest(uri, options)["shards"]:
+        with fs.open(storage.join(root, entry["path"]), "rb") as f:
+            table = pq.read_table(f, columns=["id", "input_ids", "loss_mask"])
+        held = holdout_mask(table.column("id").to_pylist(), holdout_fraction) if holdout_fraction > 0 else None
+        pairs = zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())
+        counts += count_tokens((p for i, p in enumerate(pairs) if held is None or not held[i]), vocab_size)
+    return counts
 
 
 # ---------------------------------------------------------------------------- small helpers

@@ -74,6 +74,8 @@ def train_loop_per_worker(config: dict) -> None:
     target = _load_worker_target(config["target"], tc.online, device, torch.bfloat16 if bf16 else torch.float32)
     drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
     drafter.load_state_dict(ray.get(config["init_state"]))  # identical start on every worker
+    if config.get("draft_vocab") is not None:
+        drafter.set_draft_vocab(torch.tensor(config["draft_vocab"]))
     module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex)
     runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
                          weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
@@ -356,6 +358,7 @@ class _Plan:
 
     target: dict
     drafter_config: object
+    draft_vocab: list[int] | None
     init_state: dict
     datasets: dict
     layout: dict | None
@@ -435,6 +438,8 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
 
     # ---- data
     datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options)
+    if dc.draft_vocab_size:
+        drafter.set_draft_vocab(_draft_vocab(recipe, target, manifest_uri, options, datasets["train"]))
 
     # ---- MLflow (the run of a resumed training continues)
     tracking_uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
@@ -462,9 +467,32 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
 
     layout = FeatureLayout.from_manifest(manifest).as_dict() if manifest is not None and not tc.online else None
     return _Plan(target=dataclasses.asdict(spec) | {"identity": target.identity}, drafter_config=cfg,
+                 draft_vocab=drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None,
                  init_state=ray.put(init_state), datasets=datasets, layout=layout, train_rows=train_rows,
                  lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
                  storage_options=tc.storage_options, resume=resume, mlflow_live=mlflow_live)
+
+
+def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options: dict, train_ds) -> torch.Tensor:
+    """The ``drafter.draft_vocab_size`` most frequent response tokens of the training rows
+    (held-out rows never count), plus the target's stop tokens."""
+    from pipelines.features import response_token_counts
+    from specdec.draft_vocab import build_vocab, count_tokens, coverage
+
+    size = recipe.drafter.draft_vocab_size
+    if size > target.vocab_size:
+        raise ConfigError(f"drafter.draft_vocab_size: {size} exceeds the target vocabulary ({target.vocab_size})")
+    tc = recipe.train
+    if manifest_uri is not None:  # stored features: read just the token columns of each shard
+        holdout = 0.0 if tc.holdout else tc.holdout_fraction
+        counts = response_token_counts(manifest_uri, options, target.vocab_size, holdout)
+    else:
+        rows = train_ds.select_columns(["input_ids", "loss_mask"]).iter_rows()
+        counts = count_tokens(((r["input_ids"], r["loss_mask"]) for r in rows), target.vocab_size)
+    ids = build_vocab(counts, size, always=target.stop_token_ids())
+    log.info("draft vocabulary: %d tokens cover %.2f%% of %d training response tokens", ids.numel(),
+             100 * coverage(counts, ids), int(counts.sum()))
+    return ids
 
 
 def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri: str | None) -> list[int]:
@@ -598,6 +626,7 @@ def _trainer(recipe: TrainRecipe, plan: _Plan):
     )
     config = {
         "train": dataclasses.asdict(tc), "drafter": plan.drafter_config.as_dict(), "init_state": plan.init_state,
+        "draft_vocab": plan.draft_vocab,
         "target": plan.target, "layout": plan.layout, "train_rows": plan.train_rows,
         "lam": tc.loss_lambda, "mlflow": {"tracking_uri": plan.tracking_uri, "run_id": plan.run_id,
                                           "live": plan.mlflow_live},

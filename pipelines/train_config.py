@@ -33,6 +33,8 @@ class DrafterSection:
     mask_token_id: int | None = option(None, check=NON_NEGATIVE)  # null: a spare special token of the tokenizer
     intermediate_size: int | None = option(None, check=POSITIVE)  # null: the target's
     init_from_target: bool = True  # draft layers and final norm start from target layers (shapes match)
+    # draft head over the N most frequent training-response tokens (+ stop tokens); null: the full vocabulary
+    draft_vocab_size: int | None = option(None, check=POSITIVE)
 
 
 @dataclass

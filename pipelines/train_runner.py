@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specdec.checkpoint import save_drafter
+from specdec.draft_vocab import DraftHead
 from specdec.drafter import DFlashDrafter
 from specdec.objective import StepOutput, dflash_loss
 
@@ -72,10 +73,16 @@ class DrafterLoss(nn.Module):
         self.lam = lam
         self.use_flex = use_flex
         self.layer_ids = list(drafter.config.target_layer_ids)
+        # the frozen LM head over the drafter's vocabulary (all of it unless reduced)
+        self._head = (DraftHead(target, drafter.draft_vocab),)
 
     @property
     def target(self):
         return self._target[0]
+
+    @property
+    def head(self) -> DraftHead:
+        return self._head[0]
 
     def forward(self, batch, num_anchors: int, generator: torch.Generator | None = None) -> StepOutput:
         features = batch.features
@@ -83,8 +90,10 @@ class DrafterLoss(nn.Module):
             pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None].expand_as(batch.input_ids)
             with torch.no_grad():
                 features = self.target(batch.input_ids, pos, None, None, self.layer_ids).features
-        return dflash_loss(self.drafter, self.target.embed, self.target.logits, batch.input_ids, batch.loss_mask,
-                           features, batch.lengths, num_anchors, self.lam, generator, self.use_flex)
+        head = self.head
+        return dflash_loss(self.drafter, self.target.embed, head, batch.input_ids, batch.loss_mask,
+                           features, batch.lengths, num_anchors, self.lam, generator, self.use_flex,
+                           vocab_index=head.index if head.ids is not None else None)
 
 
 def param_groups(drafter: nn.Module, weight_decay: float) -> list[dict]:

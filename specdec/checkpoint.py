@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.draft_vocab import VOCAB_FILE, load_vocab, save_vocab
 from specdec.drafter import DFlashDrafter, DrafterConfig
 
 
@@ -18,7 +19,8 @@ class DrafterMismatchError(ValueError):
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (no embedding, no LM head)."""
+    """Write ``config.json`` and ``model.safetensors`` (no embedding, no LM head), and
+    ``draft_vocab.safetensors`` for a drafter with a reduced draft vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -31,6 +33,11 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    vocab_file = out / VOCAB_FILE
+    if drafter.draft_vocab is not None:
+        save_vocab(drafter.draft_vocab, out)
+    elif vocab_file.exists():  # overwriting a reduced-vocabulary drafter with a full one
+        vocab_file.unlink()
     return out
 
 
@@ -51,6 +58,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{path}: tensors missing={sorted(missing)} unexpected={sorted(unexpected)}")
+    try:
+        drafter.set_draft_vocab(load_vocab(path))
+    except ValueError as e:
+        raise DrafterMismatchError(f"{path}: {e}") from None
     dtype = dtype or (target.dtype if target is not None else stored)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if target is not None:

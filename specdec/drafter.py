@@ -208,6 +208,22 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # optional reduced draft vocabulary (specdec/draft_vocab.py); saved in its own file,
+        # never in model.safetensors, so the published layout stays as other engines read it
+        self.register_buffer("draft_vocab", None, persistent=False)
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Restrict (or with None, un-restrict) the draft head to target ids ``ids``."""
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long, device=self.fc.weight.device)
+            if ids.dim() != 1 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"draft vocabulary ids must be a 1-D list inside [0, {self.config.vocab_size})")
+            ids = ids.unique(sorted=True)
+        self.draft_vocab = ids
+        if ids is None:
+            self.config.extra.pop("draft_vocab_size", None)
+        else:
+            self.config.extra["draft_vocab_size"] = int(ids.numel())
 
     @property
     def dtype(self) -> torch.dtype:

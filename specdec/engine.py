@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import kvcache
+from specdec.draft_vocab import DraftHead
 from specdec.sampling import GREEDY, SamplingParams, probs_from_logits, sample
 from specdec.target import Target
 from specdec.verify import greedy_accept, speculative_accept
@@ -228,9 +229,11 @@ class DFlashProposer:
     def __init__(self, drafter, target: Target):
         from specdec.cpu_kernels import pack_linears
 
-        pack_linears(drafter)  # inference only; a no-op off CPU and for float64
         self.drafter = drafter
         self.target = target
+        self.head = DraftHead(target, drafter.draft_vocab)  # the target's LM head, maybe over V_d only
+        pack_linears(drafter)  # inference only; a no-op off CPU and for float64
+        pack_linears(self.head)
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.mask_id = drafter.config.mask_token_id
         self.cache = DynamicCache()
@@ -261,11 +264,12 @@ class DFlashProposer:
         mask = kvcache.attention_mask(self.lens, past, k + 1, causal=False)
         ctx = [(layer.keys, layer.values) for layer in self.cache.layers]
         hidden = self.drafter(self.target.embed(block), pos, ctx, mask)
-        logits = self.target.logits(hidden[:, 1:].to(self.target.dtype))
+        logits = self.head(hidden[:, 1:].to(self.target.dtype))
         params = [r.request.params for r in engine.rows]
         if all(p.greedy for p in params):
-            return logits.argmax(-1), None
-        q = probs_from_logits(logits, params)
+            return self.head.to_target(logits.argmax(-1)), None
+        # q is the drafter's true proposal law: the same transform, zero outside V_d
+        q = probs_from_logits(self.head.full_logits(logits), params)
         return sample(q, engine.generator), q
 
     def commit(self, features, keep):

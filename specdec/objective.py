@@ -108,11 +108,14 @@ class StepOutput:
 def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
                 input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
                 num_anchors: int, lam: float | None = None, generator: torch.Generator | None = None,
-                use_flex: bool = False) -> StepOutput:
+                use_flex: bool = False, vocab_index: torch.Tensor | None = None) -> StepOutput:
     """Weighted block-denoising loss for a padded batch.
 
     input_ids/loss_mask (Bsz, T), features (Bsz, T, n*H) from the target's chosen layers,
     lengths (Bsz,). ``embed``/``logits_fn`` are the target's frozen embedding and LM head.
+    With a reduced draft vocabulary ``logits_fn`` scores only its V_d tokens and
+    ``vocab_index`` (V,) maps target ids to draft indices (-1 outside): such labels cost
+    nothing (the drafter can never propose them) and count as misses in acc and tau.
     """
     cfg = drafter.config
     Bk = cfg.block_size
@@ -135,8 +138,10 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     sel = blocks.label_mask  # only positions with a real response label cost anything
     logits = logits_fn(hidden[sel])
     labels = blocks.labels[sel]
+    if vocab_index is not None:
+        labels = vocab_index[labels]
     w = loss_weights(Bk, lam, dev)[None, None].expand(Bsz, N, -1)[sel]
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    ce = F.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none") * (labels >= 0)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
 
     with torch.no_grad():

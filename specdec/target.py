@@ -145,10 +145,13 @@ class Target(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head (with the family's final soft-capping, if any)."""
-        out = self.lm_head(hidden)
+        return self.softcap(self.lm_head(hidden))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's final logit soft-capping (identity for most targets)."""
         if self.logit_softcap:
-            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
-        return out
+            return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     @torch.no_grad()
     def forward(

@@ -132,14 +132,19 @@ def _target_joint_law(t, prompt, temp_params):
     return p1[:, None] * p2  # [x1, x2]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6),
-                                    SamplingParams(temperature=1.3, top_p=0.8)])
-def test_sampling_follows_target_law_through_engine(tiny, params):
+@pytest.mark.parametrize("params,draft_vocab", [
+    (SamplingParams(temperature=1.0), None), (SamplingParams(temperature=0.7, top_k=6), None),
+    (SamplingParams(temperature=1.3, top_p=0.8), None),
+    # a reduced draft vocabulary: q = 0 outside it, and the target's law must still come out
+    (SamplingParams(temperature=1.0), [0, 2, 3, 5, 7, 8, 11]), (SamplingParams(temperature=0.8, top_k=3), [0, 4, 6, 9]),
+])
+def test_sampling_follows_target_law_through_engine(tiny, params, draft_vocab):
     """Seeded chi-square of emitted (x1, x2) pairs against the target's exact joint law.
     x1 comes from prefill, x2 from the first speculative cycle (draft + accept/residual)."""
     t = tiny("llama", vocab_size=12)
     prompt = [1, 5, 7, 2, 9]
     drafter = random_drafter(t, block_size=4)
+    drafter.set_draft_vocab(draft_vocab)
     N = 6000
     eng = Engine(t, DFlashProposer(drafter, t), block_size=4, seed=1234)
     # 3 tokens so that the cycle producing x2 drafts (block = min(4, tokens still needed))
@@ -160,6 +165,9 @@ def test_sampling_follows_target_law_through_engine(tiny, params):
     assert pvalue > 1e-3, pvalue
     # x2 went through draft + accept/residual in most rows
     assert sum(a for r in res for a in r.stats.accepted) > 0, "some drafts should be accepted"
+    if draft_vocab is not None:  # tokens outside V_d still come out, through the residual law
+        outside = [x for x in range(t.vocab_size) if x not in draft_vocab and law[:, x].sum() * N > 50]
+        assert outside and all(counts[:, x].sum() > 0 for x in outside)
 
 
 def test_chi_square_detects_a_wrong_law(tiny):

@@ -1,0 +1,130 @@
+"""A reduced draft vocabulary: the drafter scores only the V_d tokens its training
+responses use most, through the matching rows of the target's LM head.
+
+Why: the full-vocabulary head is most of a small drafter's cost. For SmolLM2 (49,152 x
+576) it is most of a CPU training step (7 offsets x 32 anchors x 4 sequences positions,
+forward and backward) and a large part of each draft pass.
+
+Exactness is untouched. Greedy: verification compares the draft with the target's own
+argmax over the FULL vocabulary, so a smaller draft vocabulary can only lower acceptance.
+Sampling: the proposal law q is the SAME temperature/top-k/top-p transform applied to the
+draft logits over V_d, with q = 0 outside it (``full_logits`` puts -inf there); accepting
+y ~ q with min(1, p/q) and resampling from max(p - q, 0) keeps the target's law for any q.
+
+On disk the ids live beside the published layout in ``draft_vocab.safetensors`` (tensor
+``token_ids``), so engines that do not know the file (vLLM, SGLang) load the drafter as
+usual and draft over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def count_tokens(sequences: Iterable[tuple[list[int], list[int]]], vocab_size: int) -> torch.Tensor:
+    """Response-token frequencies (V,) over ``(input_ids, loss_mask)`` pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in sequences:
+        ids_t = torch.as_tensor(ids, dtype=torch.long)
+        keep = torch.as_tensor(mask, dtype=torch.bool)
+        counts += torch.bincount(ids_t[keep], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_vocab(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent token ids (ties by lower id), plus ``always`` (stop
+    tokens: a drafter must be able to propose the end of a turn), sorted ascending."""
+    V = counts.numel()
+    if not 0 < size <= V:
+        raise ValueError(f"draft_vocab_size must be in [1, {V}], got {size}")
+    always = sorted({int(t) for t in always if 0 <= int(t) < V})
+    # stable sort on -count keeps lower ids first among equal counts: deterministic
+    order = torch.sort(-counts.to(torch.long), stable=True).indices
+    chosen = set(order[:size].tolist()) | set(always)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of counted tokens that fall inside ``ids``."""
+    total = int(counts.sum())
+    return float(counts[ids].sum()) / total if total else 1.0
+
+
+def save_vocab(ids: torch.Tensor, directory: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(directory) / VOCAB_FILE
+    save_file({"token_ids": ids.to(torch.int64).contiguous().cpu()}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def load_vocab(directory: str | Path) -> torch.Tensor | None:
+    """The ids saved beside a drafter, or None (a full-vocabulary drafter)."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / VOCAB_FILE
+    if not path.exists():
+        return None
+    ids = load_file(str(path))["token_ids"].to(torch.long)
+    if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError(f"{path}: token_ids must be a non-empty, strictly increasing 1-D list")
+    return ids
+
+
+def index_map(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(V,) long: position of each target id in ``ids``, -1 outside the draft vocabulary."""
+    out = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    out[ids] = torch.arange(ids.numel(), device=ids.device)
+    return out
+
+
+class DraftHead(nn.Module):
+    """The target's LM head over a draft vocabulary (``ids`` None: the full head).
+
+    ``forward`` gives logits over V_d (with the target's soft-capping); ``to_target`` maps
+    draft indices back to target ids; ``full_logits`` spreads V_d logits over the target
+    vocabulary with -inf elsewhere (the proposal law under sampling)."""
+
+    def __init__(self, target, ids: torch.Tensor | None = None):
+        super().__init__()
+        self._target = (target,)  # not a submodule: the target is neither trained nor saved
+        self.vocab_size = target.vocab_size
+        self.ids = None if ids is None else ids.to(target.device)
+        if self.ids is not None:
+            if int(self.ids.max()) >= self.vocab_size or int(self.ids.min()) < 0:
+                raise ValueError(f"draft vocabulary has ids outside the target vocabulary ({self.vocab_size})")
+            head = target.lm_head
+            self.proj = nn.Linear(head.in_features, self.ids.numel(), bias=head.bias is not None)
+            self.proj.weight = nn.Parameter(head.weight.detach()[self.ids].clone(), requires_grad=False)
+            if head.bias is not None:
+                self.proj.bias = nn.Parameter(head.bias.detach()[self.ids].clone(), requires_grad=False)
+            self.index = index_map(self.ids, self.vocab_size)
+
+    @property
+    def size(self) -> int:
+        return self.vocab_size if self.ids is None else self.ids.numel()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        target = self._target[0]
+        if self.ids is None:
+            return target.logits(hidden)
+        return target.softcap(self.proj(hidden))
+
+    def to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.ids is None else self.ids[idx]
+
+    def to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Draft indices of target ids (-1 for ids outside the draft vocabulary)."""
+        return token_ids if self.ids is None else self.index[token_ids]
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.ids, logits)
