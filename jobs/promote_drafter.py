@@ -11,7 +11,8 @@ One run measures the target alone (ar), the champion's drafter and the challenge
 side by side, interleaved, with the real engine: exactness (greedy token identity with ar
 on every prompt), tau and speedup vs ar. The challenger is promoted (@champion moves to it,
 @previous keeps the old champion) only when it is exact and its --metric beats the
-champion's by --margin (relative); the first exact version becomes champion.
+champion's by --margin (relative); with no champion yet the bar is the target alone
+(speedup >= 1 + margin), so a promotion never makes serving slower than AR.
 Exit codes: 0 promoted / would promote (--dry-run) / listed / rolled back; 1 refused (the
 reason is printed); 2 usage or registry errors.
 """

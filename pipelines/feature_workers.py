@@ -163,19 +163,37 @@ class Regenerate:
                 out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
             else:
                 todo.append((sample_id, prompt))
-        todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: less padding
+        todo.sort(key=lambda item: len(item[1]))  # similar lengths are admitted together: less padding
         recorder = FeatureRecorder(record_layers, record_dtype) if record_layers else None
         engine = Engine(self.target, recorder, block_size=1, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
+        finished = {}
+        for result in continuous_batches(engine, [Request(p, self.gen["max_new_tokens"], self.params, id=i)
+                                                  for i, (_, p) in enumerate(todo)], self.gen["batch_size"]):
+            finished[result.request.id] = (result, recorder.features(result) if recorder else None)
         if recorder:
             out["features"] = []
-        for chunk in _chunks(todo, self.gen["batch_size"]):
-            requests = [Request(prompt, self.gen["max_new_tokens"], self.params) for _, prompt in chunk]
-            for (sample_id, prompt), result in zip(chunk, engine.generate(requests)):
-                _add_sequence(out, sample_id, prompt, result.tokens, result.finish_reason)
-                if recorder:
-                    out["features"].append(recorder.features(result))
+        for i, (sample_id, prompt) in enumerate(todo):  # the shard's order, whatever finished first
+            result, feats = finished[i]
+            _add_sequence(out, sample_id, prompt, result.tokens, result.finish_reason)
+            if recorder:
+                out["features"].append(feats)
         out["gen_seconds"] = time.perf_counter() - t0
         return out
+
+
+def continuous_batches(engine, requests: list, batch_size: int, refill: float = 0.25):
+    """Yield finished results while keeping up to ``batch_size`` rows decoding: rows that
+    stop early are replaced from the queue (in groups of at least ``refill`` x batch_size,
+    so one prefill serves several new rows) instead of the batch draining to its slowest
+    row. Requests are admitted in the order given."""
+    queue = list(reversed(requests))
+    group = max(1, int(batch_size * refill))
+    while queue or engine.rows:
+        room = batch_size - len(engine.rows)
+        if queue and (room >= min(group, len(queue)) or not engine.rows):
+            yield from engine.add([queue.pop() for _ in range(min(room, len(queue)))])
+        else:
+            yield from engine.step()
 
 
 def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:

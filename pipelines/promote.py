@@ -20,7 +20,9 @@ measured version gets the summary as ``eval.*`` tags, the challenger the decisio
 Decision rule (:func:`decide`):
 
 1. the challenger must be exact (greedy output identical to ``ar`` on every prompt);
-2. no champion yet: the (exact) challenger becomes champion;
+2. no champion yet: the bar is the target alone (AR): the challenger becomes champion only
+   if its measured speedup is ``>= 1 + margin``, so promotion never makes serving slower
+   than no drafter at all; a refused first version stays registered, without an alias;
 3. otherwise the challenger's ``metric`` (``speedup`` by default, or ``tau``) must beat the
    champion's, measured in the same run, by the relative ``margin``:
    ``challenger >= champion * (1 + margin)`` (default margin 0.02 = 2%).
@@ -447,9 +449,13 @@ def decide(challenger: Evaluation, champion: Evaluation | None, metric: str = DE
                  if challenger.first_mismatch else "")
         return d(False, f"v{challenger.version} is not exact: its greedy output differs from the target alone{where}; "
                         "an inexact drafter is never promoted")
-    if champion is None:
-        return d(True, f"no @{CHAMPION} yet and v{challenger.version} is exact "
-                       f"(tau {_fmt(challenger.tau)}, speedup {challenger.speedup:.3f}x)")
+    if champion is None:  # the bar is the target alone: serving must not get slower
+        need = 1 + margin
+        cmp = (f"speedup {challenger.speedup:.3f}x vs the target alone (no @{CHAMPION} yet; margin {margin:.0%} "
+               f"needs >= {need:.3f}x), tau {_fmt(challenger.tau)}")
+        if challenger.speedup >= need:
+            return d(True, f"v{challenger.version} is exact and faster than the target alone: {cmp}")
+        return d(False, f"v{challenger.version} is exact but not faster than the target alone: {cmp}")
     if champion.version == challenger.version:
         return d(False, f"v{challenger.version} is already @{CHAMPION}")
     new, old = challenger.metric(metric), champion.metric(metric)

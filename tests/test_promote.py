@@ -200,7 +200,11 @@ def test_decision_rule():
     d = P.decide(ev("2", speedup=1.50, exact=False), champ)
     assert not d.promote and "not exact" in d.reason and "prompt 1, token 5" in d.reason
     assert not P.decide(ev("2", exact=False), None).promote  # not even as the first champion
-    assert P.decide(ev("2", speedup=0.5), None).promote  # first exact version becomes champion
+    # no champion yet: the bar is the target alone, so a drafter slower than AR never serves
+    assert P.decide(ev("2", speedup=1.03), None).promote
+    d = P.decide(ev("2", speedup=0.5), None)
+    assert not d.promote and "not faster than the target alone" in d.reason and "0.500x" in d.reason
+    assert not P.decide(ev("2", speedup=1.01), None).promote  # within the margin
     assert P.decide(ev("2", speedup=1.03), champ).promote  # +3% >= 2%
     d = P.decide(ev("2", speedup=1.01), champ)
     assert not d.promote and "margin" in d.reason and "1.010x" in d.reason and "1.000x" in d.reason
@@ -233,35 +237,45 @@ def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsy
     v1, v2, v3, v4 = flow_versions
     base = ["--tracking-uri", uri, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS]
 
-    # no champion yet: the first exact version becomes champion
+    # no champion yet: the bar is the target alone; a random drafter is exact but slower
+    # than AR, so it stays registered without an alias
     code, out, err = run_job(capsys, *base, "--challenger", v1)
-    assert code == 0, err
-    assert aliases(uri, MODEL) == {"champion": v1}
+    assert code == 1 and "not faster than the target alone" in err, err
+    assert aliases(uri, MODEL) == {}
     t1 = tags(uri, MODEL, v1)
-    assert t1["eval.exact"] == "true" and t1["eval.vs"] == "ar" and t1["promotion.decision"] == "promoted"
-    assert registry.client(uri).get_registered_model(MODEL).tags["target_identity"] == target.identity  # pinned
+    assert t1["eval.exact"] == "true" and t1["eval.vs"] == "ar" and t1["promotion.decision"] == "refused"
+    assert float(t1["eval.speedup"]) < 1.0
 
-    # a better challenger (same run measures ar, v1 and v2): promoted, v1 kept as @previous
+    # a drafter that beats the target alone becomes the first champion
     code, out, err = run_job(capsys, *base, "--challenger", v2)
     assert code == 0, err
-    assert "PROMOTED" in out and f"dflash:v{v1}" in out and f"dflash:v{v2}" in out
-    assert aliases(uri, MODEL) == {"champion": v2, "previous": v1}
+    assert "PROMOTED" in out and f"dflash:v{v2}" in out and "faster than the target alone" in out
+    assert aliases(uri, MODEL) == {"champion": v2}
+    assert registry.client(uri).get_registered_model(MODEL).tags["target_identity"] == target.identity  # pinned
     t2 = tags(uri, MODEL, v2)
-    assert t2["eval.exact"] == "true" and t2["eval.vs"] == f"v{v1}" and t2["promotion.decision"] == "promoted"
-    assert float(t2["eval.tau"]) > 1.6 > float(tags(uri, MODEL, v1)["eval.tau"])
-    assert float(t2["eval.speedup"]) > float(tags(uri, MODEL, v1)["eval.speedup"])
+    assert t2["eval.exact"] == "true" and t2["eval.vs"] == "ar" and t2["promotion.decision"] == "promoted"
+    assert float(t2["eval.tau"]) > 1.6 > float(t1["eval.tau"])
+    assert float(t2["eval.speedup"]) > 1.02
+
+    # a challenger measured against the champion in the same run (ar, v2 and v1): refused
+    code, out, err = run_job(capsys, *base, "--challenger", v1)
+    assert code == 1 and "not better by the margin" in err and f"v{v2}" in err, err
+    assert f"dflash:v{v1}" in out and f"dflash:v{v2}" in out
+    assert aliases(uri, MODEL) == {"champion": v2}
+    registry.client(uri).set_registered_model_alias(MODEL, "previous", v1)  # a history to roll back to
 
     # the evaluation is an MLflow run linked to the version: metrics, benchmark JSON + plot
     c = registry.client(uri)
-    run = c.get_run(t2["eval.run_id"])
-    assert run.data.tags["dflash.model_version"] == f"{MODEL}/{v2}" and run.data.tags["dflash.champion_version"] == v1
-    assert run.data.metrics["exact"] == 1.0 and run.data.metrics["tau"] == pytest.approx(float(t2["eval.tau"]), abs=1e-3)
+    t1 = tags(uri, MODEL, v1)
+    run = c.get_run(t1["eval.run_id"])
+    assert run.data.tags["dflash.model_version"] == f"{MODEL}/{v1}" and run.data.tags["dflash.champion_version"] == v2
+    assert run.data.metrics["exact"] == 1.0 and run.data.metrics["tau"] == pytest.approx(float(t1["eval.tau"]), abs=1e-3)
     assert {"speedup", "tokens_per_s", "champion.speedup", "ar.tokens_per_s"} <= set(run.data.metrics)
     assert {a.path for a in c.list_artifacts(run.info.run_id, "eval")} == {
         "eval/benchmark.json", "eval/benchmark.png", "eval/decision.json"}
     with tempfile.TemporaryDirectory() as tmp:
         bench = json.loads(Path(c.download_artifacts(run.info.run_id, "eval/benchmark.json", tmp)).read_text())
-    assert [r["method"] for r in bench["results"]] == ["ar", f"dflash:v{v1}", f"dflash:v{v2}"]
+    assert [r["method"] for r in bench["results"]] == ["ar", f"dflash:v{v2}", f"dflash:v{v1}"]
     assert bench["exactness"]["equal"] == {f"dflash:v{v1}": True, f"dflash:v{v2}": True}
     assert bench["config"]["num_prompts_used"] == 3 and bench["config"]["target_identity"] == target.identity
 
