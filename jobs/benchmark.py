@@ -22,11 +22,13 @@ from specdec.bench import METHODS, BenchConfig, BenchError, format_report, run_b
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="target dir, .gguf or id (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--drafter", default=None, help="DFlash drafter directory (enables the dflash method)")
+    ap.add_argument("--drafter", default=None, help="DFlash drafter directory (enables the dflash method); "
+                    "default: the packaged reference drafter of the embedded target; 'none': no drafter")
     ap.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt | path to a JSONL (messages or prompt)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="default: the drafter's own block size (16 without a drafter)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

@@ -90,6 +90,8 @@ def build_vllm_app(cfg: ServeConfig):
         except DrafterNotFound:
             if cfg.drafter != "auto":
                 raise
-            log.warning("no drafter registered as %s; serving without speculation", cfg.drafter_source)
+            drafter_dir = cfg.reference_drafter
+            if drafter_dir is None:
+                log.warning("no drafter registered as %s; serving without speculation", cfg.drafter_source)
     llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), drafter_dir))
     return build_openai_app({"llm_configs": [llm_config]})

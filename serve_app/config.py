@@ -19,8 +19,9 @@ class ServeConfig(BaseModel):
                                "a local HF directory, a .gguf file or a hub id already cached")
     model_name: str | None = Field(None, description="Name clients pass as 'model' (default: from target)")
     drafter: str | None = Field("auto", description="'auto' (models:/dflash-<model_name>@champion if "
-                                "registered, else speculation off), a drafter directory, "
-                                "models:/<name>@<alias> or models:/<name>/<version>, or 'none'")
+                                "registered, else the packaged reference drafter of an embedded target, else "
+                                "speculation off), a drafter directory, models:/<name>@<alias> or "
+                                "models:/<name>/<version>, or 'none'")
     tracking_uri: str | None = Field(None, description="MLflow tracking/registry URI (default: MLflow's own)")
     registry_poll_s: float = Field(30.0, ge=0, description="How often replicas re-resolve a registry "
                                    "alias and swap to a moved drafter (0 = never)")
@@ -118,6 +119,18 @@ class ServeConfig(BaseModel):
         if self.drafter == "auto":
             return f"models:/dflash-{self.served_model_name}@champion"
         return self.drafter
+
+    @property
+    def reference_drafter(self) -> str | None:
+        """With drafter 'auto' and an embedded target: the packaged reference drafter, used
+        until the registry has a champion."""
+        from specdec.assets import reference_drafter
+        from specdec.target import EMBEDDED_NAMES
+
+        if self.drafter != "auto" or self.target not in EMBEDDED_NAMES:
+            return None
+        path = reference_drafter(target_slug(self.target))
+        return str(path) if path is not None else None
 
     @property
     def speculation_requested(self) -> bool:

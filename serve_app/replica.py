@@ -21,6 +21,8 @@ from ray import serve
 from serve_app.config import load_config
 from serve_app.protocol import APIError, GenerationJob
 
+REFERENCE_VERSION = "reference"  # the version label of the packaged reference drafter
+
 log = logging.getLogger("ray.serve")
 
 
@@ -121,6 +123,8 @@ class DFlashReplica:
 
     # ------------------------------------------------------------------ drafter
     def _initial_drafter(self):
+        """(drafter, version): the configured one; with 'auto' and no champion yet, the
+        packaged reference drafter of an embedded target (version "reference")."""
         from serve_app.backends import load_paired_drafter
         from serve_app.registry import DrafterNotFound
 
@@ -131,6 +135,11 @@ class DFlashReplica:
         except DrafterNotFound as e:
             if self.cfg.drafter != "auto":
                 raise
+            reference = self.cfg.reference_drafter
+            if reference is not None:  # until a champion is registered (the watcher swaps it in)
+                log.info("no drafter at %s yet; serving the packaged reference drafter %s", self.cfg.drafter_source,
+                         reference)
+                return load_paired_drafter(reference, self.target, device=self.cfg.device), REFERENCE_VERSION
             log.warning("no drafter at %s (%s); serving without speculation until one is registered",
                         self.cfg.drafter_source, e)
             return None, ""

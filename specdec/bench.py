@@ -24,6 +24,7 @@ of the wall time (prefill, acceptance, bookkeeping), so the three add up to the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -53,7 +54,7 @@ class BenchConfig:
     prompts: str = "humaneval"  # "humaneval", "sharegpt" (holdout split) or a JSONL path
     num_prompts: int = 8
     max_new_tokens: int = 64
-    block_size: int = 16
+    block_size: int | None = None  # None: the drafter's own B (16 without a drafter)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -69,6 +70,13 @@ class BenchConfig:
     progress: bool = True
 
     def __post_init__(self):
+        from specdec.assets import reference_drafter
+        from specdec.target import EMBEDDED_NAMES
+
+        if isinstance(self.drafter, str) and self.drafter.strip().lower() in ("none", "off", ""):
+            self.drafter = None  # explicitly no drafter
+        elif self.drafter is None and self.target in EMBEDDED_NAMES and reference_drafter() is not None:
+            self.drafter = str(reference_drafter())  # the packaged reference drafter
         if isinstance(self.methods, str):
             self.methods = [m.strip() for m in self.methods.split(",") if m.strip()]
         bad = [m for m in self.methods if m not in METHODS]
@@ -84,7 +92,7 @@ class BenchConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "prompt_lookup_tokens"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size < 2:
+        if self.block_size is not None and self.block_size < 2:
             raise BenchError("--block-size must be >= 2")
         try:
             self.sampling  # validates temperature / top_p / top_k
@@ -238,6 +246,8 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
     prompt_ids, prompts = load_prompt_ids(target, cfg.prompts, cfg.num_prompts)
     params = cfg.sampling
     stop = None if cfg.respect_eos else frozenset()
+    if cfg.block_size is None:  # the drafter's own block size (what it was trained for)
+        cfg = dataclasses.replace(cfg, block_size=int(drafter.config.block_size) if drafter is not None else 16)
     K = cfg.block_size
 
     def one(method: str, batch: list[list[int]], n: int, seed: int, oracles) -> Run:

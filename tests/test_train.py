@@ -265,7 +265,7 @@ def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features,
     from specdec.checkpoint import load_drafter
 
     res = fit(recipe(work, target_dir, "zero2", strategy="deepspeed", zero_stage=2, num_workers=2, max_steps=3,
-                     eval_every=2))
+                     eval_every=2), "drafter.draft_vocab_size=20")
     assert res.steps == 3 and [h["step"] for h in res.history] == [0, 2, 3]
     assert res.history[-1]["samples"] == 3 * BATCH * 2
     latest = sorted(Path(res.run_uri).glob("checkpoint-step*"))[-1]
@@ -273,7 +273,14 @@ def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features,
     assert "mp_rank_00_model_states.pt" in shards
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(shards)
     assert json.loads((latest / "state.json").read_text())["strategy"] == "deepspeed"
-    load_drafter(res.drafter_dir, target=target)
+    # a reduced draft vocabulary from the stored runs' response tokens (held-out rows left
+    # out) plus the stop tokens; it travels with the exported drafter
+    vocab = load_drafter(res.drafter_dir, target=target).draft_vocab.tolist()
+    responses = {t for f in sorted(Path(features, "shards").glob("*.parquet"))
+                 for r in pq.read_table(f, columns=["input_ids", "loss_mask"]).to_pylist()
+                 for t, m in zip(r["input_ids"], r["loss_mask"]) if m}
+    assert set(target.stop_token_ids()) <= set(vocab) and len(vocab) <= 20 + len(target.stop_token_ids())
+    assert len(set(vocab) & responses) >= min(20, len(responses)) - len(target.stop_token_ids())
 
 
 # ---------------------------------------------------------------------------- failures and resume
@@ -301,15 +308,18 @@ def test_killed_worker_resumes_and_the_same_name_continues(cluster, work, target
 # ---------------------------------------------------------------------------- online features
 @pytest.mark.slow
 def test_online_features_from_token_sequences(cluster, work, target_dir, features, target):
+    from specdec.checkpoint import load_drafter
+
     rows = [r for f in sorted(Path(features, "shards").glob("*.parquet"))
             for r in pq.read_table(f, columns=["id", "input_ids", "prompt_tokens"]).to_pylist()]
     seq = work / "sequences.jsonl"
     seq.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5),
-              "drafter.layer_ids=[1, 3]")  # online features may read layers no feature run stored
+              "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")  # online: any layers
     assert res.steps == 10 and res.history[-1]["holdout_loss"] < res.history[0]["holdout_loss"]
     cfg = json.loads((Path(res.drafter_dir) / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["dflash_ray"]["online_features"] is True
+    assert cfg["dflash_ray"]["draft_vocab_size"] == len(load_drafter(res.drafter_dir).draft_vocab) >= 16
     assert cfg["dflash_ray"]["features_manifest_sha256"] is None and cfg["dflash_ray"]["features_uri"] == str(seq)
 
 
