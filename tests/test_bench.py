@@ -127,3 +127,48 @@ def test_generate_cli_bad_drafter_exits_2(assets, capsys):
     assert job.main(["--prompt", "x", "--target", assets["target_dir"], "--drafter", assets["bad"]]) == 2
     err = capsys.readouterr().err
     assert "target_layer_ids" in err and len(err.strip().splitlines()) == 1
+
+
+def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp_path):
+    """jobs/bench_recipe.py's library: cost from the feature run and the checkpoints' state,
+    tau and exactness from the real engine, one row per kept checkpoint, table + JSON + PNG."""
+    import shutil
+
+    from pipelines.recipe_bench import RecipeBenchConfig, RecipeBenchError, Variant, format_table, run_recipe_bench
+    from pipelines.recipe_bench import write as write_recipe
+
+    feats = tmp_path / "features"
+    feats.mkdir()
+    (feats / "run.json").write_text(json.dumps({"started_at": "2026-01-01T10:00:00+00:00"}))
+    (feats / "manifest.json").write_text(json.dumps({"created_at": "2026-01-01T11:30:00+00:00", "num_samples": 7,
+                                                     "num_response_tokens": 700}))
+    run = tmp_path / "run"
+    for step, secs, tau in ((10, 1800, 1.2), (20, 3600, 1.4)):
+        ck = run / f"checkpoint-step{step:08d}"
+        shutil.copytree(assets["drafter"], ck / "drafter")
+        hist = [{"step": s, "holdout_tau": t, "train_seconds": x} for s, x, t in ((0, 0, 1.0), (10, 1800, 1.2),
+                                                                                 (20, 3600, 1.4)) if s <= step]
+        (ck / "state.json").write_text(json.dumps({"step": step, "train_seconds": secs, "history": hist}))
+    shutil.copytree(assets["drafter"], run / "drafter")
+    cfg_file = run / "drafter" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["dflash_ray"] = {"features_uri": str(feats), "best_step": 20}
+    cfg_file.write_text(json.dumps(cfg))
+
+    report = run_recipe_bench(RecipeBenchConfig([Variant.parse(f"tiny={run}")], [assets["prompts"]], num_prompts=2,
+                                                max_new_tokens=8, target=assets["target_dir"], progress=False))
+    rows = report["rows"]
+    assert [r["step"] for r in rows] == [10, 20]
+    assert rows[0]["data_hours"] == pytest.approx(1.5) and rows[1]["hours"] == pytest.approx(2.5)
+    assert rows[1]["sim_tau"] == 1.4 and rows[0]["samples"] == 7
+    assert all(r["p_exact"] and r["p_tau"] >= 1.0 and r["p_speedup"] > 0 for r in rows)
+    table = format_table(report)
+    assert "p tau" in table and "| 2.50 |" in table
+    js, png = write_recipe(report, tmp_path / "out" / "recipe")
+    assert json.loads(js.read_text())["rows"][1]["step"] == 20 and png.stat().st_size > 1000
+    best = run_recipe_bench(RecipeBenchConfig([Variant("tiny", run)], [assets["prompts"]], num_prompts=1,
+                                              max_new_tokens=4, checkpoints="best", target=assets["target_dir"],
+                                              progress=False))
+    assert [r["step"] for r in best["rows"]] == [20] and best["rows"][0]["train_hours"] == pytest.approx(1.0)
+    with pytest.raises(RecipeBenchError, match="training run not found"):
+        Variant.parse(f"x={tmp_path / 'nope'}")
