@@ -667,8 +667,10 @@ def _finish(recipe: TrainRecipe, plan: _Plan, result, seconds: float) -> FitResu
         drafter.config.extra.update(holdout_tau=float(best["holdout_tau"]), best_step=int(best["step"]),
                                     samples=int(best["samples"]), checkpoint=_checkpoint_uri(best_ckpt))
         bf16 = tc.precision == "bf16" or (tc.precision == "auto" and tc.use_gpu)
+        dtype = getattr(torch, tc.export_dtype) if tc.export_dtype != "auto" else (
+            torch.bfloat16 if bf16 else torch.float32)
         local = Path(tmp) / DRAFTER_DIR
-        save_drafter(drafter, local, dtype=torch.bfloat16 if bf16 else torch.float32)
+        save_drafter(drafter, local, dtype=dtype)
         _publish_dir(local, export_uri, tc.storage_options)
         curve_dir = Path(tmp) / "eval"
         curve = write_learning_curve(final.history, curve_dir, title=f"{tc.run_name}: held-out tau")

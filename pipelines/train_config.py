@@ -70,6 +70,7 @@ class TrainSection:
     early_stop_patience: int | None = option(None, check=POSITIVE)  # stop after N evals without a better tau
     log_every: int = option(10, check=POSITIVE)  # steps between progress lines / step metrics
     export: str | None = None  # drafter directory to export; null: <storage_path>/<run_name>/drafter
+    export_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the training precision
     # ---- scaling
     num_workers: Any = 1  # an int, or [min, max] for elastic training
     use_gpu: bool = False

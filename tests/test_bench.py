@@ -172,3 +172,4 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     assert [r["step"] for r in best["rows"]] == [20] and best["rows"][0]["train_hours"] == pytest.approx(1.0)
     with pytest.raises(RecipeBenchError, match="training run not found"):
         Variant.parse(f"x={tmp_path / 'nope'}")
+

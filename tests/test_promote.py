@@ -444,3 +444,37 @@ def test_embedded_sqlite_registry_with_s3_artifacts(work, target, target_dir, pr
         assert code == 0 and "@champion" in out
     finally:
         s3.stop()
+
+
+# ---------------------------------------------------------------------------- the packaged reference
+def test_publish_reference_replaces_only_a_winner(target, work, prompts):
+    """jobs/publish_reference.py's rule: with no reference yet the bar is the target alone,
+    then the current reference; the winner is written in fp16 with its numbers."""
+    from safetensors.torch import load_file
+
+    from specdec.checkpoint import load_drafter, save_drafter
+    from specdec.tiny import random_drafter
+
+    root = work / "reference"
+    slow = save_drafter(random_drafter(target, block_size=BLOCK, layers=1, seed=5, mask_token_id=16,
+                                       target_layer_ids=LAYERS), work / "cand-random")
+    fast = save_drafter(copy_anchor_drafter(target), work / "cand-copy")
+    kw = dict(prompts=prompts, num_prompts=3, max_new_tokens=24, target=target, root=root)
+    decision, report = P.publish_reference(slow, "cyclic", **kw)
+    assert not decision.promote and "not faster than the target alone" in decision.reason
+    assert not (root / "cyclic").exists() and report["exactness"]["equal"]["dflash:candidate"]
+
+    decision, report = P.publish_reference(fast, "cyclic", command="python train.py", **kw)
+    assert decision.promote, decision.reason
+    d = load_drafter(root / "cyclic", target=target)
+    ref = d.config.extra["reference"]
+    stored = load_file(str(root / "cyclic" / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.float16} and d.fc.weight.dtype == target.dtype
+    assert ref["exact"] and ref["tau"] > 1.6 and ref["speedup_vs_ar"] > 1.02
+    assert ref["command"] == "python train.py"
+
+    # now the bar is the published reference: a slower drafter leaves it in place
+    decision, report = P.publish_reference(slow, "cyclic", **kw)
+    assert not decision.promote and "not better by the margin" in decision.reason
+    assert [r["method"] for r in report["results"]] == ["ar", "dflash:reference", "dflash:candidate"]
+    assert load_drafter(root / "cyclic").config.extra["reference"]["tau"] == ref["tau"]
