@@ -2,8 +2,10 @@
 
   1. features  - SmolLM2 answers ShareGPT prompts; hidden states of 5 layers go to Parquet shards
   2. training  - a 2-layer DFlash drafter is fitted with Ray Train and registered in MLflow
-  3. promotion - the new version is evaluated against @champion and promoted if it wins
-  4. benchmark - AR vs the drafter vs the oracle ceiling, side by side, exactness checked
+  3. promotion - the new version is evaluated against @champion (with none yet: against the
+                 target alone) and promoted only if it wins
+  4. benchmark - AR vs the packaged reference drafter (specdec/drafters/smollm2-135m, what
+                 serving uses until a champion exists) vs the oracle ceiling, exactness checked
 
 Each step is the same command a user runs (`ray job submit -- python jobs/...`), here run on
 a local Ray with a small budget so the whole demo takes minutes on a laptop CPU. Everything
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CONFIG = "configs/smollm2-135m.yaml"
 
 
@@ -65,15 +68,18 @@ def main() -> None:
         run("3/4 promotion", ["jobs/promote_drafter.py", "--tracking-uri", mlflow, "--model", "dflash-smollm2-135m",
                               "--challenger", "latest", "--prompts", "sharegpt", "--num-prompts", "4",
                               "--max-new-tokens", "32"], ok_codes=(0, 1))
-    run("4/4 benchmark", ["jobs/benchmark.py", "--drafter", drafter, "--prompts", "sharegpt",
-                          "--num-prompts", "4", "--max-new-tokens", str(args.max_new_tokens), "--block-size", "8",
+    from specdec.assets import reference_drafter
+
+    bench_drafter = str(reference_drafter() or drafter)  # the one that pays, when shipped
+    run("4/4 benchmark", ["jobs/benchmark.py", "--drafter", bench_drafter, "--prompts", "sharegpt",
+                          "--num-prompts", "4", "--max-new-tokens", str(args.max_new_tokens),
                           "--methods", "ar,dflash,oracle", "--out", f"{out}/bench.json"])
     print(f"""
 Done. Artifacts under {out}/: features/ (manifest.json + shards), train/demo/ (checkpoints, drafter/),
 bench.json + bench.png, mlflow.db.
 
-Next:
-  MLFLOW_TRACKING_URI={mlflow} serve run serve_app:build_app drafter=models:/dflash-smollm2-135m@champion
+Next (serving follows @champion; until there is one, the packaged reference drafter):
+  MLFLOW_TRACKING_URI={mlflow} serve run serve_app:app
   curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model": "smollm2-135m", "messages": [{{"role": "user", "content": "Hi!"}}]}}'
 The demo drafter saw {args.prompts} prompts for {args.steps} steps; the full CPU recipe is
