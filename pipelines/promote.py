@@ -851,12 +851,14 @@ def format_evaluation(outcome: Outcome) -> str:
 # ============================================================================ the packaged reference drafter
 def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts: str = "sharegpt",
                       num_prompts: int = 8, max_new_tokens: int = 64, margin: float = DEFAULT_MARGIN,
-                      command: str = "", target=None, root: str | Path | None = None) -> tuple[Decision, dict]:
+                      command: str = "", target=None, root: str | Path | None = None,
+                      block_size: int | None = None) -> tuple[Decision, dict]:
     """Replace the reference drafter shipped in ``specdec/drafters/<slug>`` by ``candidate``
     only when it wins: the promotion harness measures it side by side with the current
     reference (or, with none yet, with the target alone) and the promotion rule decides.
     The winner is written in fp16 (the published layout) with its numbers in the lineage.
-    ``target``/``root``: another target and folder of reference drafters (tests)."""
+    ``block_size`` None: each drafter's own. ``target``/``root``: another target and folder
+    of reference drafters (tests)."""
     import shutil
 
     from specdec.assets import REFERENCE_DRAFTERS
@@ -872,7 +874,8 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
         if path is not None:
             d = load_drafter(path, target=target)
             candidates.append(Candidate(f"dflash:{'reference' if role == 'champion' else 'candidate'}", role,
-                                        "reference" if role == "champion" else "candidate", d, d.config.block_size))
+                                        "reference" if role == "champion" else "candidate", d,
+                                        block_size or d.config.block_size))
     prompt_ids, ps = load_prompt_ids(target, prompts, num_prompts)
     report = measure(target, candidates, ps, prompt_ids, max_new_tokens, prompts)
     evals = evaluations_from_report(report)

@@ -135,7 +135,8 @@ def test_recipe_errors_name_the_field():
     assert ScalingConfig(num_workers=elastic.train.num_workers).elasticity_enabled
     for path in sorted((REPO / "configs").glob("*.yaml")):  # every shipped recipe is valid
         r = load_train_recipe(path)
-        assert r.model_name == f"dflash-{path.stem}", path
+        assert r.model_name == f"dflash-{target_slug(r.features.target.model)}", path  # what serving looks up
+        assert path.stem.startswith(target_slug(r.features.target.model)), path
     assert target_slug("/models/Qwen3-8B/") == "qwen3-8b" and target_slug(None) == "smollm2-135m"
 
 
