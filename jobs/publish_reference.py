@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="measure (and publish) at this block size; default: each drafter's own")
     ap.add_argument("--command", default="", help="how the candidate was trained (kept in its lineage)")
     args = ap.parse_args(argv)
     if not Path(args.drafter).is_dir():
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         decision, report = publish_reference(args.drafter, args.slug, args.prompts, args.num_prompts,
                                              args.max_new_tokens, args.margin,
-                                             args.command or shlex.join(["python", *sys.argv]))
+                                             args.command or shlex.join(["python", *sys.argv]),
+                                             block_size=args.block_size)
     except (BenchError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

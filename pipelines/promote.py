@@ -857,7 +857,8 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
     only when it wins: the promotion harness measures it side by side with the current
     reference (or, with none yet, with the target alone) and the promotion rule decides.
     The winner is written in fp16 (the published layout) with its numbers in the lineage.
-    ``block_size`` None: each drafter's own. ``target``/``root``: another target and folder
+    ``block_size`` None: each drafter's own; else the block both are measured at, and the
+    published config's ``block_size`` (the training block stays in the lineage). ``target``/``root``: another target and folder
     of reference drafters (tests)."""
     import shutil
 
@@ -882,6 +883,7 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
     decision = decide(evals["challenger"], evals.get("champion"), "speedup", margin)
     if decision.promote:
         drafter = candidates[-1].drafter
+        drafter.config.block_size = candidates[-1].block_size  # the block it was measured (and serves) at
         ch = evals["challenger"]
         drafter.config.extra["reference"] = {
             "prompts": prompts, "num_prompts": len(ps), "max_new_tokens": max_new_tokens, "tau": ch.tau,

@@ -13,11 +13,11 @@ from specdec.bench import load_prompt_ids
 from specdec.checkpoint import load_drafter
 from specdec.engine import DFlashProposer, Engine, Request
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(reference_drafter() is None, reason="no reference drafter committed yet")]
+pytestmark = pytest.mark.slow
 
-#: engine tau on the 4 held-out prompts below at 48 tokens, greedy; measured when published
-TAU_FLOOR = 1.40
+#: engine tau on the 4 held-out prompts below at 48 tokens, greedy, at the published block
+#: size: 1.220 when published (a random drafter gets ~1.0)
+TAU_FLOOR = 1.17
 
 
 @pytest.fixture(scope="module")
