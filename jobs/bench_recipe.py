@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         cfg = RecipeBenchConfig([Variant.parse(v) for v in args.variant],
-                                [p.strip() for p in args.prompts.split(",") if p.strip()], args.num_prompts,
-                                args.max_new_tokens, args.checkpoints, args.threads, args.tracking_uri)
+                                [p.strip() for p in args.prompts.split(",") if p.strip()],
+                                num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                                checkpoints=args.checkpoints, threads=args.threads, tracking_uri=args.tracking_uri,
+                                progress=sys.stderr.isatty())
         report = run_recipe_bench(cfg)
     except RecipeBenchError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -95,8 +95,10 @@ def test_benchmark_schema_exactness_and_plot(assets):
 def test_benchmark_rejects_bad_flags():
     with pytest.raises(BenchError, match="unknown method"):
         BenchConfig(methods="ar,beam")
+    with pytest.raises(BenchError, match="--drafter"):  # no drafter: none given, and not the embedded target
+        BenchConfig(methods="ar,dflash", drafter="none")
     with pytest.raises(BenchError, match="--drafter"):
-        BenchConfig(methods="ar,dflash")
+        BenchConfig(methods="ar,dflash", target="/models/other")
     assert BenchConfig(methods="oracle").methods == ["ar", "oracle"]
 
 
