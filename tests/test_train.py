@@ -188,7 +188,8 @@ def test_embed_and_head_alone_equal_the_full_target(tmp_path, family):
     from specdec.tiny import save_tiny_target
 
     path = save_tiny_target(tmp_path / family, family=family, num_layers=4)
-    full, head = load_target(str(path)), load_embed_and_head(str(path), identity="abc")
+    # the same (MKL) kernels on both sides: packed oneDNN inference kernels round differently
+    full, head = load_target(str(path), fast_kernels=False), load_embed_and_head(str(path), identity="abc")
     ids = torch.tensor([[1, 5, 900, 49000]])
     torch.testing.assert_close(head.embed(ids), full.embed(ids), rtol=0, atol=0)
     h = torch.randn(1, 3, full.hidden_size)
