@@ -68,9 +68,9 @@ def main() -> None:
         run("3/4 promotion", ["jobs/promote_drafter.py", "--tracking-uri", mlflow, "--model", "dflash-smollm2-135m",
                               "--challenger", "latest", "--prompts", "sharegpt", "--num-prompts", "4",
                               "--max-new-tokens", "32"], ok_codes=(0, 1))
-    from specdec.assets import reference_drafter
+    from specdec.assets import reference_drafter_for
 
-    bench_drafter = str(reference_drafter() or drafter)  # the one that pays, when shipped
+    bench_drafter = str(reference_drafter_for(None) or drafter)  # the one that pays, when shipped
     run("4/4 benchmark", ["jobs/benchmark.py", "--drafter", bench_drafter, "--prompts", "sharegpt",
                           "--num-prompts", "4", "--max-new-tokens", str(args.max_new_tokens),
                           "--methods", "ar,dflash,oracle", "--out", f"{out}/bench.json"])

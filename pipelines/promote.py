@@ -858,18 +858,20 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
     reference (or, with none yet, with the target alone) and the promotion rule decides.
     The winner is written in fp16 (the published layout) with its numbers in the lineage.
     ``block_size`` None: each drafter's own; else the block both are measured at, and the
-    published config's ``block_size`` (the training block stays in the lineage). ``target``/``root``: another target and folder
-    of reference drafters (tests)."""
+    published config's ``block_size`` (the training block stays in the lineage).
+    ``target``/``root``: another target and folder of reference drafters (tests)."""
     import shutil
 
-    from specdec.assets import REFERENCE_DRAFTERS
+    import torch
+
+    from specdec.assets import REFERENCE_DRAFTERS, reference_drafter
     from specdec.bench import load_prompt_ids
     from specdec.checkpoint import load_drafter, save_drafter
     from specdec.target import load_target
 
     target = target or load_target(None)
     root = Path(root) if root is not None else REFERENCE_DRAFTERS
-    current = (root / slug) if (root / slug / "model.safetensors").is_file() else None
+    current = reference_drafter(slug, root)
     candidates = []
     for role, path in (("champion", current), ("challenger", Path(candidate))):
         if path is not None:
@@ -892,7 +894,7 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
         dst = root / slug
         tmp = dst.with_name(f".{slug}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(drafter, tmp, dtype=__import__("torch").float16)
+        save_drafter(drafter, tmp, dtype=torch.float16)
         shutil.rmtree(dst, ignore_errors=True)
         tmp.rename(dst)
     return decision, report

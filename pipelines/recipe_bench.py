@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from pipelines.train import CHECKPOINT_PREFIX
 
-CHECKPOINT_PREFIX = "checkpoint-step"
+log = logging.getLogger(__name__)
 
 
 class RecipeBenchError(ValueError):
@@ -90,14 +90,21 @@ def data_cost(features_uri: str | None) -> dict:
     return out
 
 
-def checkpoints(run: Path, which: str = "kept") -> list[dict]:
-    """``[{step, train_hours, sim_tau, drafter}]`` of a run, oldest first."""
-    found = []
+def _states(run: Path) -> list[tuple[Path, dict]]:
+    """Every readable checkpoint of a run with its ``state.json``, oldest first."""
+    out = []
     for d in sorted(run.glob(f"{CHECKPOINT_PREFIX}*")):
         try:
-            state = json.loads((d / "state.json").read_text())
+            out.append((d, json.loads((d / "state.json").read_text())))
         except (OSError, ValueError):
-            continue
+            continue  # a checkpoint being written or deleted
+    return out
+
+
+def checkpoints(run: Path, which: str = "kept", states: list[tuple[Path, dict]] | None = None) -> list[dict]:
+    """``[{step, train_hours, sim_tau, drafter}]`` of a run, oldest first."""
+    found = []
+    for d, state in states if states is not None else _states(run):
         rec = next((h for h in reversed(state.get("history", [])) if h["step"] == state["step"]), {})
         found.append({"step": state["step"], "train_hours": state.get("train_seconds", 0.0) / 3600,
                       "sim_tau": rec.get("holdout_tau"), "drafter": str(d / "drafter")})
@@ -114,17 +121,6 @@ def checkpoints(run: Path, which: str = "kept") -> list[dict]:
     return found
 
 
-def learning_curve(run: Path) -> list[dict]:
-    """Every evaluation of the run (the newest checkpoint's history)."""
-    latest = sorted(run.glob(f"{CHECKPOINT_PREFIX}*"))
-    for d in reversed(latest):
-        try:
-            return json.loads((d / "state.json").read_text()).get("history", [])
-        except (OSError, ValueError):
-            continue
-    return []
-
-
 # ---------------------------------------------------------------------------- the benchmark
 def run_recipe_bench(cfg: RecipeBenchConfig) -> dict:
     from specdec.bench import BenchConfig, load_target_checked, run_benchmark
@@ -136,8 +132,10 @@ def run_recipe_bench(cfg: RecipeBenchConfig) -> dict:
         exported = v.run / "drafter" / "config.json"
         lineage = json.loads(exported.read_text()).get("dflash_ray", {}) if exported.is_file() else {}
         cost = data_cost(lineage.get("features_uri"))
-        curves[v.name] = {"data_hours": cost["data_hours"], "history": learning_curve(v.run)}
-        for ck in checkpoints(v.run, cfg.checkpoints):
+        states = _states(v.run)  # the newest one's history is the whole learning curve
+        history = states[-1][1].get("history", []) if states else []
+        curves[v.name] = {"data_hours": cost["data_hours"], "history": history}
+        for ck in checkpoints(v.run, cfg.checkpoints, states):
             row = {"variant": v.name, "step": ck["step"], **cost, "train_hours": ck["train_hours"],
                    "sim_tau": ck["sim_tau"]}
             row["hours"] = cost["data_hours"] + (ck["train_hours"] or 0.0)

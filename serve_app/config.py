@@ -124,12 +124,9 @@ class ServeConfig(BaseModel):
     def reference_drafter(self) -> str | None:
         """With drafter 'auto' and an embedded target: the packaged reference drafter, used
         until the registry has a champion."""
-        from specdec.assets import reference_drafter
-        from specdec.target import EMBEDDED_NAMES
+        from specdec.assets import reference_drafter_for
 
-        if self.drafter != "auto" or self.target not in EMBEDDED_NAMES:
-            return None
-        path = reference_drafter(target_slug(self.target))
+        path = reference_drafter_for(self.target) if self.drafter == "auto" else None
         return str(path) if path is not None else None
 
     @property

@@ -39,11 +39,19 @@ def humaneval_jsonl() -> Path:
 REFERENCE_DRAFTERS = Path(__file__).parent / "drafters"
 
 
-def reference_drafter(slug: str = "smollm2-135m") -> Path | None:
+def reference_drafter(slug: str = "smollm2-135m", root: Path | None = None) -> Path | None:
     """The reference drafter trained by this project for an embedded target, if shipped
-    (``specdec/drafters/<slug>/``; how it was trained is in its README and config lineage)."""
-    path = REFERENCE_DRAFTERS / slug
+    (``specdec/drafters/<slug>/``; how it was trained is in its config lineage)."""
+    path = (root or REFERENCE_DRAFTERS) / slug
     return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+
+
+def reference_drafter_for(target: str | None) -> Path | None:
+    """The shipped reference drafter of ``target`` when it is an embedded default (a
+    user's own model gets none: we cannot know it fits)."""
+    from specdec.target import EMBEDDED_NAMES, target_slug
+
+    return reference_drafter(target_slug(target)) if target in EMBEDDED_NAMES else None
 
 
 if __name__ == "__main__":

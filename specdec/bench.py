@@ -70,13 +70,12 @@ class BenchConfig:
     progress: bool = True
 
     def __post_init__(self):
-        from specdec.assets import reference_drafter
-        from specdec.target import EMBEDDED_NAMES
+        from specdec.assets import reference_drafter_for
 
         if isinstance(self.drafter, str) and self.drafter.strip().lower() in ("none", "off", ""):
             self.drafter = None  # explicitly no drafter
-        elif self.drafter is None and self.target in EMBEDDED_NAMES and reference_drafter() is not None:
-            self.drafter = str(reference_drafter())  # the packaged reference drafter
+        elif self.drafter is None and (ref := reference_drafter_for(self.target)) is not None:
+            self.drafter = str(ref)  # the packaged reference drafter
         if isinstance(self.methods, str):
             self.methods = [m.strip() for m in self.methods.split(",") if m.strip()]
         bad = [m for m in self.methods if m not in METHODS]

@@ -128,3 +128,19 @@ class DraftHead(nn.Module):
             return logits
         out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, logits)
+
+
+def head_for(drafter, target) -> DraftHead:
+    """The drafter's head against ``target``, built (and packed for CPU) once per drafter,
+    target weights and vocabulary: engines build a proposer per batch, and slicing and
+    packing the head rows each time cost 30-60 ms."""
+    from specdec.cpu_kernels import pack_linears
+
+    key = (id(target), target.lm_head.weight.data_ptr(), drafter.draft_vocab)
+    cached = getattr(drafter, "_draft_head", None)
+    if cached is not None and cached[0][:2] == key[:2] and cached[0][2] is key[2]:
+        return cached[1]
+    head = DraftHead(target, drafter.draft_vocab)
+    pack_linears(head)
+    drafter._draft_head = (key, head)  # a plain attribute: never saved, never trained
+    return head

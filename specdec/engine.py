@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import kvcache
-from specdec.draft_vocab import DraftHead
+from specdec.draft_vocab import head_for
 from specdec.sampling import GREEDY, SamplingParams, probs_from_logits, sample
 from specdec.target import Target
 from specdec.verify import greedy_accept, speculative_accept
@@ -231,9 +231,8 @@ class DFlashProposer:
 
         self.drafter = drafter
         self.target = target
-        self.head = DraftHead(target, drafter.draft_vocab)  # the target's LM head, maybe over V_d only
-        pack_linears(drafter)  # inference only; a no-op off CPU and for float64
-        pack_linears(self.head)
+        self.head = head_for(drafter, target)  # the target's LM head, maybe over V_d only
+        pack_linears(drafter)  # inference only; a no-op off CPU, for float64 and once packed
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.mask_id = drafter.config.mask_token_id
         self.cache = DynamicCache()
