@@ -233,7 +233,7 @@ def flow_versions(uri, target, target_dir):
     return v1, v2, v3, v4
 
 
-def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsys):
+def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsys, monkeypatch):
     v1, v2, v3, v4 = flow_versions
     base = ["--tracking-uri", uri, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS]
 
@@ -249,7 +249,12 @@ def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsy
     # a drafter that beats the target alone becomes the first champion (at B=2 its first
     # draft token, always right, makes tau 2 at the cost of a 2-token verify: a clear win
     # even on a tiny target whose steps are all overhead)
-    code, out, err = run_job(capsys, *base, "--challenger", v2, "--block-size", "2", "--max-new-tokens", "32")
+    # (the numbers of this one step are given: on a tiny target a drafter's pass costs about
+    # what a target step does, so a real speedup over AR is timing noise; the pure rule is
+    # tested in test_decision_rule, the real measurement in the steps before and after)
+    with monkeypatch.context() as m:
+        m.setattr(P, "measure", fake_measure({v2: 1.5}))
+        code, out, err = run_job(capsys, *base, "--challenger", v2)
     assert code == 0, err
     assert "PROMOTED" in out and f"dflash:v{v2}" in out and "faster than the target alone" in out
     assert aliases(uri, MODEL) == {"champion": v2}
@@ -434,6 +439,9 @@ def test_embedded_sqlite_registry_with_s3_artifacts(work, target, target_dir, pr
         v1 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "embedded")
         assert c.get_model_version(MODEL, v1).source.startswith("s3://mlflow/")
 
+        # the S3 download stays real; the numbers are given (a first champion must beat AR,
+        # which on a tiny target is timing noise)
+        monkeypatch.setattr(P, "measure", fake_measure({v1: 1.5}))
         code, out, err = run_job(capsys, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS, "--metric", "tau")
         assert code == 0, err
         assert aliases(db, MODEL) == {"champion": v1}
@@ -450,7 +458,7 @@ def test_embedded_sqlite_registry_with_s3_artifacts(work, target, target_dir, pr
 
 
 # ---------------------------------------------------------------------------- the packaged reference
-def test_publish_reference_replaces_only_a_winner(target, work, prompts):
+def test_publish_reference_replaces_only_a_winner(target, work, prompts, monkeypatch):
     """jobs/publish_reference.py's rule: with no reference yet the bar is the target alone,
     then the current reference; the winner is written in fp16 with its numbers."""
     from safetensors.torch import load_file
@@ -467,7 +475,9 @@ def test_publish_reference_replaces_only_a_winner(target, work, prompts):
     assert not decision.promote and "not faster than the target alone" in decision.reason
     assert not (root / "cyclic").exists() and report["exactness"]["equal"]["dflash:candidate"]
 
-    decision, report = P.publish_reference(fast, "cyclic", command="python train.py", **kw)
+    with monkeypatch.context() as m:  # given numbers: a real win over AR is timing noise on a tiny target
+        m.setattr(P, "measure", fake_measure({"candidate": 1.5}))
+        decision, report = P.publish_reference(fast, "cyclic", command="python train.py", **kw)
     assert decision.promote, decision.reason
     d = load_drafter(root / "cyclic", target=target)
     ref = d.config.extra["reference"]
