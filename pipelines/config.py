@@ -162,6 +162,7 @@ class PromptsSection:
     split: Literal["all", "train", "holdout"] = "train"
     holdout_fraction: float = option(0.05, check=FRACTION)
     limit: int | None = option(None, check=NON_NEGATIVE)
+    skip: int = option(0, check=NON_NEGATIVE)  # drop the first N after filtering (a second run over new prompts)
     multi_turn: bool = False
     max_prompt_chars: int | None = option(8000, check=POSITIVE)
     min_prompt_chars: int = option(1, check=NON_NEGATIVE)
@@ -178,7 +179,9 @@ class VLLMSection:
 
 @dataclass
 class GenerationSection:
-    backend: Literal["hf", "vllm"] = "hf"
+    # hf / vllm: the target regenerates the answers; dataset: the dataset's own assistant
+    # answers, teacher-forced (no generation: 3x cheaper per answer token on a CPU, EAGLE-1's data)
+    backend: Literal["hf", "vllm", "dataset"] = "hf"
     temperature: float = option(0.0, check=NON_NEGATIVE)
     top_p: float = option(1.0, check=PROBABILITY)
     top_k: int = option(0, check=NON_NEGATIVE)
@@ -230,6 +233,9 @@ class FeaturesConfig:
                 raise ConfigError(f"features.layer_ids: expected distinct ints >= 0, got {self.layer_ids}")
         if self.generation.backend == "vllm" and self.generation.num_gpus <= 0:
             raise ConfigError("features.generation.num_gpus: the vllm backend needs a GPU per actor, got 0")
+        if self.generation.backend == "dataset" and self.generation.temperature > 0:
+            raise ConfigError("features.generation.temperature: the dataset backend generates nothing (it reads the "
+                              "dataset's answers); leave it at 0")
         if self.extract.from_generation and self.generation.backend != "hf":
             raise ConfigError("features.extract.from_generation: only the hf backend exposes hidden states while "
                               f"generating, got backend {self.generation.backend!r}")
@@ -240,11 +246,12 @@ class FeaturesConfig:
         d = dataclasses.asdict(self)
         gen = {k: d["generation"][k] for k in ("backend", "temperature", "top_p", "top_k", "max_new_tokens",
                                                "enable_thinking", "seed")}
+        prompts = {k: v for k, v in d["prompts"].items() if k != "skip" or v}  # runs made before skip resume
         content = {
             "target": d["target"],
             "layer_ids": d["layer_ids"],
             "num_layers": d["num_layers"],
-            "prompts": d["prompts"],
+            "prompts": prompts,
             "generation": gen,
             "storage": {k: d["storage"][k] for k in ("dtype", "samples_per_shard", "compression")},
         }

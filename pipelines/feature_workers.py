@@ -4,6 +4,7 @@ row carries the prompts of one shard (``shard_id``, ``ids``, ``messages`` as JSO
 * :class:`Regenerate` (hf backend): the target answers the shard's prompts with the
   specdec engine (batched KV-cache decoding) and emits the shard's token sequences.
 * :func:`regenerate_vllm` (vllm backend): the same through Ray Data's vLLM processor.
+* :class:`DatasetAnswers` (dataset backend): the dataset's own answers, no generation.
 * :class:`ExtractFeatures`: one teacher-forced target pass per mini-batch captures the
   selected layers; the shard is written as one Parquet file (a row group per mini-batch)
   and then committed by a small JSON record. It returns one status row per shard.
@@ -66,6 +67,7 @@ STATUS_SCHEMA = pa.schema([
 ])
 
 SKIP_PROMPT_TOO_LONG = "prompt_too_long"
+SKIP_NO_ANSWER = "no_answer"  # generation.backend dataset: the conversation has no answer to the prompt
 
 
 def progress_path(root: str, shard_id: str) -> str:
@@ -179,6 +181,62 @@ class Regenerate:
                 out["features"].append(feats)
         out["gen_seconds"] = time.perf_counter() - t0
         return out
+
+
+# ---------------------------------------------------------------------------- dataset answers
+class DatasetAnswers:
+    """Stateful Ray Data actor (``generation.backend: dataset``): each sequence is the prompt
+    followed by the dataset's own assistant answer, rendered by the chat template and
+    ended by the target's end-of-turn token, as the target would have ended it. Nothing is
+    generated; the features come from the one teacher-forced pass that follows (EAGLE-1's
+    data: the drafter sees the target's hidden states over human-written answers)."""
+
+    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int):
+        from transformers import AutoTokenizer
+
+        from specdec.target import resolve_target_path
+
+        tok = AutoTokenizer.from_pretrained(resolve_target_path(target["model"]),
+                                            trust_remote_code=target["trust_remote_code"])
+        self.encode = PromptEncoder(tok, generation["enable_thinking"], max_prompt_tokens)
+        self.max_new_tokens = generation["max_new_tokens"]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.sequences(row) for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+
+    def sequences(self, shard: dict) -> dict:
+        t0 = time.perf_counter()
+        out = _empty_sequences(shard["shard_id"])
+        for sample_id, messages, answer in zip(shard["ids"], shard["messages"], shard["answers"]):
+            messages = json.loads(messages)
+            prompt = self.encode(messages)
+            reason = SKIP_NO_ANSWER if not answer else SKIP_PROMPT_TOO_LONG if prompt is None else None
+            if reason:
+                out["skipped_ids"].append(sample_id)
+                out["skipped_reasons"].append(reason)
+                continue
+            response = answer_tokens(self.encode.tokenizer, messages, prompt, answer)
+            finish = "stop" if len(response) <= self.max_new_tokens else "length"
+            _add_sequence(out, sample_id, prompt, response[: self.max_new_tokens], finish)
+        out["gen_tokens"] = 0  # read, not generated
+        out["gen_seconds"] = time.perf_counter() - t0
+        return out
+
+
+def answer_tokens(tokenizer, messages: list[dict], prompt: list[int], answer: str) -> list[int]:
+    """The answer's tokens as the template renders the assistant turn after ``prompt``, up
+    to and including its end-of-turn token (what the target emits before stopping)."""
+    from specdec.target import encode_chat
+
+    full = encode_chat(tokenizer, [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False)
+    eos = tokenizer.eos_token_id
+    if full[: len(prompt)] == prompt:
+        response = full[len(prompt):]
+        if eos in response:  # drop what the template adds after the turn ends (a newline)
+            return response[: response.index(eos) + 1]
+    else:  # a template that renders the prompt differently inside a longer chat
+        response = tokenizer.encode(answer, add_special_tokens=False)
+    return response + ([eos] if eos is not None else [])
 
 
 def continuous_batches(engine, requests: list, batch_size: int, refill: float = 0.25):

@@ -44,8 +44,8 @@ import torch
 from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig
 from pipelines.feature_format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
-from pipelines.feature_workers import (ExtractFeatures, GenerateAndWrite, Regenerate, regenerate_vllm,
-                                       resolve_layer_ids)
+from pipelines.feature_workers import (DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate,
+                                       regenerate_vllm, resolve_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,11 @@ class ShardPlan:
     shard_id: str
     ids: tuple[str, ...]
     messages: tuple[str, ...]  # JSON, one per sample
+    answers: tuple[str | None, ...] | None = None  # the dataset's answers (generation.backend: dataset)
 
     def as_row(self) -> dict:
-        return {"shard_id": self.shard_id, "ids": list(self.ids), "messages": list(self.messages)}
+        row = {"shard_id": self.shard_id, "ids": list(self.ids), "messages": list(self.messages)}
+        return row if self.answers is None else {**row, "answers": list(self.answers)}
 
 
 def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
@@ -70,12 +72,13 @@ def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
     from specdec.prompts import load_prompts
 
     p = cfg.prompts
-    prompts = load_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, limit=p.limit,
+    prompts = load_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, limit=p.limit, skip=p.skip,
                            multi_turn=p.multi_turn, max_prompt_chars=p.max_prompt_chars,
                            min_prompt_chars=p.min_prompt_chars, dedup=p.dedup)
     if not prompts:
         raise ConfigError(f"features.prompts: no prompts left from {p.source!r} after the split and filters")
-    ids, messages, digest = [], [], hashlib.sha256()
+    with_answers = cfg.generation.backend == "dataset"
+    ids, messages, answers, digest = [], [], [], hashlib.sha256()
     seen: Counter[str] = Counter()
     for prompt in prompts:
         # Sources may repeat an id for different conversations; samples need unique keys.
@@ -85,9 +88,13 @@ def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
         ids.append(sample_id)
         messages.append(text)
         digest.update(f"{sample_id}\x1f{text}\x1e".encode())
+        if with_answers:
+            answers.append(prompt.reference)
+            digest.update(f"{prompt.reference}\x1e".encode())
     n = cfg.storage.samples_per_shard
     width = max(5, len(str((len(ids) - 1) // n)))
-    shards = [ShardPlan(f"{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]))
+    shards = [ShardPlan(f"{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]),
+                        tuple(answers[i: i + n]) if with_answers else None)
               for k, i in enumerate(range(0, len(ids), n))]
     return shards, digest.hexdigest()
 
@@ -166,7 +173,14 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
             compute=ray.data.ActorPoolStrategy(size=cfg.generation.actors),
             num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
         )
-    if cfg.generation.backend == "hf":
+    if cfg.generation.backend == "dataset":
+        ds = ds.map_batches(
+            DatasetAnswers, batch_size=1, batch_format="pyarrow",
+            fn_constructor_kwargs={"target": target, "generation": gen,
+                                   "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
+            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25,  # a tokenizer only
+        )
+    elif cfg.generation.backend == "hf":
         ds = ds.map_batches(
             Regenerate, batch_size=1, batch_format="pyarrow",
             fn_constructor_kwargs={"target": target, "generation": gen,

@@ -432,7 +432,8 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
         _check_same_drafter(resume_cfg, cfg, tc.run_name, run_uri)
     torch.manual_seed(tc.seed)
     drafter = DFlashDrafter(cfg)
-    if dc.init_from_target:
+    parent = _init_from_drafter(drafter, dc.init_from, target) if dc.init_from else {}
+    if not dc.init_from and dc.init_from_target:
         init_from_target(drafter, target)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
@@ -449,7 +450,7 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
         "features_manifest_sha256": manifest_sha256(manifest_uri, options) if manifest_uri else None,
         "config_sha256": recipe.config_hash(), "git_commit": registry.git_commit(), "run_name": tc.run_name,
         "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
-        "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online,
+        "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online, **parent,
     }
     run_id = registry.start_run(
         tracking_uri, recipe.registry.experiment or recipe.model_name, tc.run_name,
@@ -471,6 +472,26 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                  init_state=ray.put(init_state), datasets=datasets, layout=layout, train_rows=train_rows,
                  lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
                  storage_options=tc.storage_options, resume=resume, mlflow_live=mlflow_live)
+
+
+def _init_from_drafter(drafter, path: str, target) -> dict:
+    """Copy a trained drafter's weights into ``drafter`` (same shape; the draft vocabulary
+    is an index set over the target's LM head, so the new run's own one is kept).
+    Returns the parent's lineage fields."""
+    from specdec.checkpoint import DrafterMismatchError, load_drafter
+
+    try:
+        source = load_drafter(path, dtype=torch.float32, target=target)
+    except (FileNotFoundError, DrafterMismatchError) as e:
+        raise ConfigError(f"drafter.init_from: {e}") from None
+    mine, theirs = drafter.config, source.config
+    for name in ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ConfigError(f"drafter.init_from: {path} has {name}={getattr(theirs, name)!r} but the recipe "
+                              f"builds {getattr(mine, name)!r}")
+    drafter.load_state_dict(source.state_dict())
+    log.info("drafter initialised from %s", path)
+    return {"parent_drafter": path, "parent_mlflow_run_id": theirs.extra.get("mlflow_run_id")}
 
 
 def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options: dict, train_ds) -> torch.Tensor:

@@ -33,6 +33,9 @@ class DrafterSection:
     mask_token_id: int | None = option(None, check=NON_NEGATIVE)  # null: a spare special token of the tokenizer
     intermediate_size: int | None = option(None, check=POSITIVE)  # null: the target's
     init_from_target: bool = True  # draft layers and final norm start from target layers (shapes match)
+    # start from a trained drafter directory instead (fine-tuning: pre-trained on cheaper
+    # data, or a champion adapted to long context); its shape must match this section
+    init_from: str | None = None
     # draft head over the N most frequent training-response tokens (+ stop tokens); null: the full vocabulary
     draft_vocab_size: int | None = option(None, check=POSITIVE)
 

@@ -103,15 +103,18 @@ def load_prompts(
     split: str = "all",
     holdout_fraction: float = 0.05,
     limit: int | None = None,
+    skip: int = 0,
     multi_turn: bool = False,
     max_prompt_chars: int | None = 8000,
     min_prompt_chars: int = 1,
     dedup: bool = True,
 ) -> list[Prompt]:
     """Read ``source`` into a list of prompts (see :func:`iter_prompts`); ``limit`` keeps the
-    first N after filtering, in source order."""
+    first N after filtering and dropping the first ``skip``, in source order."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be None or >= 0, got {limit}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
     prompts = iter_prompts(
         source,
         split=split,
@@ -121,7 +124,7 @@ def load_prompts(
         min_prompt_chars=min_prompt_chars,
         dedup=dedup,
     )
-    return list(itertools.islice(prompts, limit))
+    return list(itertools.islice(prompts, skip, None if limit is None else skip + limit))
 
 
 def iter_prompts(

@@ -71,11 +71,11 @@ def prompts_file(work) -> str:
     return str(path)
 
 
-def recipe(work: Path, tiny_dir: Path, prompts: str, output: str, name: str, **sections) -> Path:
+def recipe(work: Path, tiny_dir: Path, source: str, output: str, name: str, **sections) -> Path:
     """A recipe file for the tiny target; ``sections`` are merged into ``features``."""
     features = {
         "output": output, "target": {"model": str(tiny_dir)}, "layer_ids": LAYERS,
-        "prompts": {"source": prompts, "split": "all", "max_prompt_tokens": 60},
+        "prompts": {"source": source, "split": "all", "max_prompt_tokens": 60},
         "generation": {"max_new_tokens": 12, "batch_size": 4},
         "extract": {"batch_size": 3},
         "storage": {"samples_per_shard": 4},
@@ -210,6 +210,45 @@ def test_features_from_generation_match_the_teacher_forced_run(local_run, ray_ad
         assert row["loss_mask"].tolist() == base[key]["loss_mask"].tolist()
         torch.testing.assert_close(row["features"][:-1], base[key]["features"][:-1], rtol=2e-3, atol=2e-3)
         assert not row["features"][-1].any()
+
+
+def test_dataset_answers_are_teacher_forced_without_generation(ray_address, work, tiny_dir, tiny):
+    """generation.backend dataset: prompt + the dataset's own answer (capped, ended by the
+    end-of-turn token), features from one target pass; prompts without an answer or over
+    the cap are skipped and counted; skip starts after the first N prompts."""
+    from pipelines.feature_workers import answer_tokens
+
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                         {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}]}
+            for i in range(7)]
+    rows.append({"id": "open", "messages": [{"role": "user", "content": "a question nobody answered"}]})
+    rows.append({"id": "long", "messages": [{"role": "user", "content": "tell me a long story " * 20},
+                                            {"role": "assistant", "content": "no"}]})
+    path = work / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_features_config(recipe(work, tiny_dir, str(path), str(work / "run-answers"), "answers",
+                                      prompts={"skip": 1}, generation={"backend": "dataset", "max_new_tokens": 16}))
+    summary = run_features(cfg)
+    uri = storage.absolute_uri(cfg.output)
+    m = load_manifest(uri)
+    assert summary["num_samples"] == m["num_samples"] == 6  # c1..c6; c0 skipped by prompts.skip
+    assert m["skipped"] == {"no_answer": 1, "prompt_too_long": 1}
+    assert verify_features(uri).ok
+    stored = {r["id"]: r for r in read_features(uri, **expected_for(tiny, LAYERS)).take_all()}
+    assert sorted(stored) == [f"c{i}" for i in range(1, 7)]
+    layout = FeatureLayout.from_manifest(m)
+    for row in rows[1:7]:
+        dec = layout.decode_row(stored[row["id"]])
+        prompt = tiny.encode_chat(row["messages"][:1])
+        answer = answer_tokens(tiny.tokenizer, row["messages"][:1], prompt, row["messages"][1]["content"])
+        assert answer[-1] == tiny.tokenizer.eos_token_id and len(answer) > 4
+        assert dec["input_ids"].tolist() == prompt + answer[:16]
+        assert stored[row["id"]]["finish_reason"] == ("stop" if len(answer) <= 16 else "length")
+        assert dec["loss_mask"].tolist() == [False] * len(prompt) + [True] * min(len(answer), 16)
+        ids = dec["input_ids"][None]
+        ref = tiny(ids, torch.arange(ids.shape[1])[None], None, None, LAYERS).features[0]
+        torch.testing.assert_close(dec["features"], ref, rtol=2e-3, atol=2e-3)
+    assert {r["finish_reason"] for r in stored.values()} == {"stop", "length"}  # both cases exercised
 
 
 def test_restart_with_other_settings_is_refused(local_run):

@@ -43,6 +43,9 @@ def test_shipped_recipe_loads_and_ignores_other_stages_sections(tmp_path):
     ({"output": "x", "prompts": {"limit": "ten"}}, "features.prompts.limit: expected int, got 'ten'"),
     ({"output": "x", "generation": {"backend": "vllm"}}, "features.generation.num_gpus"),
     ({"target": {"model": "m"}}, "features.output: required"),
+    ({"output": "x", "generation": {"backend": "dataset", "temperature": 0.7}},
+     "features.generation.temperature: the dataset backend generates nothing"),
+    ({"output": "x", "prompts": {"skip": -1}}, "features.prompts.skip: expected int >= 0"),
     ({"output": "x", "extract": {"from_generation": True}, "generation": {"backend": "vllm", "num_gpus": 1}},
      "features.extract.from_generation: only the hf backend"),
 ])
@@ -70,6 +73,9 @@ def test_content_ignores_resources_but_not_generation():
     # keeping features from generation changes the data (last token): it is part of the identity
     d = parse_section(FeaturesConfig, {"output": "x", "extract": {"from_generation": True}}, "features")
     assert d.content() == a.content() | {"extract": {"from_generation": True}}
+    # prompts.skip is part of the identity when set, absent at 0 (runs made before it resume)
+    e = parse_section(FeaturesConfig, {"output": "x", "prompts": {"skip": 10}}, "features")
+    assert "skip" not in a.content()["prompts"] and e.content()["prompts"]["skip"] == 10
 
 
 # ---------------------------------------------------------------------------- encodings

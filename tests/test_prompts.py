@@ -280,6 +280,9 @@ def test_limit_takes_the_first_prompts_after_filtering(two_thousand: str):
     assert load_prompts(two_thousand, limit=0) == []
     first = next(iter_prompts(two_thousand, split="holdout"))
     assert first == holdout[0]
+    # skip: a second run over the prompts after the first N, never overlapping them
+    assert load_prompts(two_thousand, split="holdout", skip=3, limit=4) == holdout[3:7]
+    assert load_prompts(two_thousand, split="holdout", skip=5) == holdout[5:]
 
 
 # ---------------------------------------------------------------------------- file formats
@@ -410,6 +413,7 @@ def test_dataset_dict_directory_asks_for_a_split(tmp_path: Path):
     ({"split": "test"}, "split must be one of 'all', 'train', 'holdout'; got 'test'"),
     ({"holdout_fraction": 1.5}, "holdout_fraction must be in"),
     ({"limit": -1}, "limit must be"),
+    ({"skip": -2}, "skip must be >= 0"),
     ({"max_prompt_chars": 5, "min_prompt_chars": 10}, "below min_prompt_chars"),
 ])
 def test_bad_arguments(two_thousand: str, kwargs: dict, message: str):

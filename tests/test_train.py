@@ -261,6 +261,22 @@ def test_resuming_with_another_drafter_shape_is_refused(ddp_run, work, target_di
         fit(recipe(work, target_dir, "ddp"), "drafter.num_layers=2")
 
 
+@pytest.mark.slow
+def test_fine_tuning_starts_from_the_parent_drafter(ddp_run, work, target_dir):
+    """drafter.init_from: the new run's untrained baseline is the parent's held-out tau
+    (same held-out rows), not an untrained drafter's; the parent is in the lineage."""
+    path = recipe(work, target_dir, "finetune", max_steps=1, epochs=1)
+    res = fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "registry.register=false")
+    parent_best = ddp_run.holdout_tau
+    assert res.history[0]["step"] == 0 and res.history[0]["holdout_tau"] == pytest.approx(parent_best, abs=0.05)
+    assert res.extra["parent_drafter"] == ddp_run.drafter_dir
+    assert res.extra["parent_mlflow_run_id"] == ddp_run.mlflow_run_id
+    with pytest.raises(ConfigError, match=r"^drafter\.init_from: .* has block_size=4 but the recipe builds 6"):
+        fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "drafter.block_size=6", "train.run_name=ft2")
+    with pytest.raises(ConfigError, match=r"^drafter\.init_from: .* is not a drafter directory"):
+        fit(path, f"drafter.init_from={work}", "train.run_name=ft3")
+
+
 # ---------------------------------------------------------------------------- DeepSpeed
 @pytest.mark.slow
 def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features, target):
