@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         _show(outcome, args.json)
         return 0
-    except P.Refused as e:
+    except P.REFUSALS as e:
         print(f"refused: {e}", file=sys.stderr)
         return 1
-    except P.PromoteError as e:
+    except P.ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

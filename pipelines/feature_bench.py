@@ -8,7 +8,6 @@ alike; the Ray Data stage is then timed once more through a real actor for refer
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path

@@ -152,8 +152,8 @@ class Regenerate:
     def regenerate(self, shard: dict, record_layers: list[int] | None = None,
                    record_dtype: torch.dtype | None = None) -> dict:
         """The shard's sequences; with ``record_layers`` also ``features``: per sequence the
-        (tokens, F) features decoding computed (see specdec.engine.FeatureRecorder)."""
-        from specdec.engine import Engine, FeatureRecorder, Request
+        (tokens, F) features decoding computed (see :class:`FeatureRecorder`)."""
+        from specdec.engine import Engine, Request
 
         t0 = time.perf_counter()
         out = _empty_sequences(shard["shard_id"])
@@ -181,6 +181,50 @@ class Regenerate:
                 out["features"].append(feats)
         out["gen_seconds"] = time.perf_counter() - t0
         return out
+
+
+class FeatureRecorder:
+    """Never drafts (run the engine at ``block_size=1``); keeps the target features that
+    plain decoding computes anyway, so training data needs no second, teacher-forced pass.
+
+    Every position a sequence's tokens occupy gets its features except the last generated
+    token, which is never fed back: ``features(result)`` returns
+    ``(len(prompt) + len(tokens), F)`` with that final row zero. Training never reads it
+    (a block sees context strictly before its anchor)."""
+
+    needs_features = True
+
+    def __init__(self, layer_ids: list[int], dtype: torch.dtype | None = None):
+        self.layer_ids = list(layer_ids)
+        self.dtype = dtype  # e.g. float16: halve what a long generation holds
+        self.live: list[tuple[object, list[torch.Tensor]]] = []  # (engine Result, feature parts)
+        self.done: dict[int, torch.Tensor] = {}
+
+    def admit(self, engine, rows, features, lens):
+        for i, row in enumerate(rows):
+            self.live.append((row, [self._keep(features[i, : int(lens[i])])]))
+
+    def propose(self, engine, k: int):
+        raise RuntimeError("FeatureRecorder never drafts: run the engine with block_size=1")
+
+    def commit(self, features, keep):
+        for i, (_, parts) in enumerate(self.live):
+            parts.append(self._keep(features[i, : int(keep[i])]))
+
+    def select(self, idx):
+        kept = set(idx.tolist())
+        for i, (row, parts) in enumerate(self.live):
+            if i not in kept:
+                feats = torch.cat(parts)
+                self.done[id(row.request)] = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
+        self.live = [self.live[i] for i in idx.tolist()]
+
+    def features(self, result) -> torch.Tensor:
+        """The finished ``result``'s features (popped: each is handed out once)."""
+        return self.done.pop(id(result.request))
+
+    def _keep(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype) if self.dtype is not None else x.clone()
 
 
 # ---------------------------------------------------------------------------- dataset answers

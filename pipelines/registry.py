@@ -1,6 +1,7 @@
-"""MLflow helpers shared by training and promotion: where the tracking server is, runs
-that survive restarts, metrics that never crash training, drafters as registered model
-versions with lineage tags.
+"""The one MLflow layer, shared by training, promotion and serving: where the tracking
+server is, runs that survive restarts, metrics that never crash training, drafters as
+registered model versions with lineage tags, alias reads and all-or-nothing alias moves,
+registry errors mapped to two exceptions, and a version's download into the local cache.
 
 Tracking: ``$MLFLOW_TRACKING_URI`` when set (an ``mlflow server`` for clusters), else
 MLflow's own default (an embedded sqlite database, ``sqlite:///mlflow.db`` in the working
@@ -14,10 +15,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+CHAMPION, PREVIOUS = "champion", "previous"
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 #: config.json "dflash_ray" keys that become model-version tags (the lineage)
 LINEAGE_KEYS = ("target_identity", "target_model", "features_uri", "features_manifest_sha256", "config_sha256",
@@ -42,6 +50,13 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if "://" not in uri:  # a bare directory: MLflow's file store
         return str(Path(uri).expanduser().resolve())
     return uri
+
+
+def sqlite_file(uri: str | None) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for any other store)."""
+    if uri and uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):])
+    return None
 
 
 def is_local_store(uri: str) -> bool:
@@ -196,3 +211,248 @@ def git_commit(start: str | Path | None = None) -> str | None:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------- errors
+class RegistryError(RuntimeError):
+    """A registry problem (no such model, version or alias; a failed call): the message
+    says which registry and what was being done."""
+
+
+class RegistryUnreachable(RegistryError):
+    """The tracking/registry server does not answer; nothing was changed."""
+
+
+class NotFound(RegistryError, LookupError):
+    """The registry has no such model, alias or version."""
+
+
+def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """Raise ``RegistryUnreachable`` unless the registry answers. HTTP servers are asked
+    for ``/health`` once, with a short timeout (MLflow's own client would retry for
+    minutes); local stores (sqlite, file) need their directory to exist."""
+    if tracking_uri.startswith(("http://", "https://")):
+        url = tracking_uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                resp.read(64)
+        except urllib.error.HTTPError as e:
+            if e.code >= 500:  # a proxy in front of a dead server
+                raise RegistryUnreachable(f"registry at {tracking_uri} unreachable: HTTP {e.code} from {url}") from None
+            # 4xx (auth, no /health route): the server is there; API calls will say more
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise RegistryUnreachable(f"registry at {tracking_uri} unreachable: {reason}") from None
+        return
+    for prefix in ("sqlite:///", "file://"):
+        if tracking_uri.startswith(prefix):
+            path = Path(tracking_uri[len(prefix):])
+            where = path.parent if prefix == "sqlite:///" else path
+            if not where.exists():
+                raise RegistryUnreachable(f"registry at {tracking_uri} unreachable: {where} does not exist")
+            if prefix == "sqlite:///" and not path.exists():
+                raise RegistryUnreachable(f"registry at {tracking_uri} unreachable: no database at {path} "
+                                          "(train and register a drafter first, or pass --tracking-uri)")
+
+
+def call(tracking_uri: str, what: str, fn):
+    """Run one registry call; connection problems become ``RegistryUnreachable``, a missing
+    resource ``NotFound``, other MLflow errors ``RegistryError`` (each saying which registry
+    and what was being done)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return fn()
+    except MlflowException as e:
+        msg = str(e.message if hasattr(e, "message") else e)
+        if any(s in msg for s in ("Max retries exceeded", "Connection refused", "ConnectionError",
+                                  "Failed to establish", "timed out")):
+            raise RegistryUnreachable(f"registry at {tracking_uri} unreachable while {what}: "
+                                      f"{msg.splitlines()[0]}") from None
+        kind = NotFound if _is_missing(e) else RegistryError
+        raise kind(f"registry at {tracking_uri}: {what} failed: {msg.splitlines()[0]}") from None
+    except OSError as e:  # requests' ConnectionError is an OSError
+        raise RegistryUnreachable(f"registry at {tracking_uri} unreachable while {what}: {e}") from None
+
+
+def _is_missing(e) -> bool:
+    return "RESOURCE_DOES_NOT_EXIST" in str(getattr(e, "error_code", "")) or "not found" in str(e).lower()
+
+
+# ---------------------------------------------------------------------------- models, versions, aliases
+def is_registry_uri(source: str | None) -> bool:
+    return bool(source) and source.startswith("models:/")
+
+
+def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/name@alias`` -> (name, alias, None); ``models:/name/3`` -> (name, None, "3")."""
+    m = _MODELS_URI.match(uri)
+    if not m:
+        raise ValueError(f"not a registry reference: {uri!r} "
+                         "(expected models:/<name>@<alias> or models:/<name>/<version>)")
+    return m["name"], m["alias"], m["version"]
+
+
+@dataclass
+class ModelState:
+    """What the registry holds for one model, read once before any decision."""
+
+    name: str
+    aliases: dict[str, str]  # alias -> version
+    versions: dict[str, object]  # version -> ModelVersion (tags, run_id, source, ...)
+    tags: dict[str, str]
+
+    @property
+    def champion(self) -> str | None:
+        return self.aliases.get(CHAMPION)
+
+    @property
+    def previous(self) -> str | None:
+        return self.aliases.get(PREVIOUS)
+
+    def aliases_of(self, version: str) -> list[str]:
+        return sorted(a for a, v in self.aliases.items() if v == version)
+
+    def latest(self) -> str | None:
+        return max(self.versions, key=int) if self.versions else None
+
+
+def read_model(tracking_uri: str, name: str) -> ModelState:
+    """Aliases, versions and tags of registered model ``name`` (``NotFound`` if absent)."""
+    from mlflow.exceptions import MlflowException
+
+    c = client(tracking_uri)
+
+    def get():
+        try:
+            return c.get_registered_model(name)
+        except MlflowException as e:
+            if _is_missing(e):
+                return None
+            raise
+
+    rm = call(tracking_uri, f"reading model {name}", get)
+    if rm is None:
+        raise NotFound(f"registry at {tracking_uri} has no model {name!r} (train and register a drafter "
+                       "first: jobs/train_drafter.py; or check --model / --target)")
+    versions = call(tracking_uri, f"listing versions of {name}",
+                    lambda: list(c.search_model_versions(f"name='{name}'")))
+    return ModelState(name=name, aliases={a: str(v) for a, v in (rm.aliases or {}).items()},
+                      versions={str(mv.version): mv for mv in versions}, tags=dict(rm.tags or {}))
+
+
+def resolve_version(state: ModelState, spec: str | None) -> str:
+    """``latest`` (default), a version number, or an alias (``champion``, ``@previous``)."""
+    spec = (spec or "latest").strip()
+    if spec == "latest":
+        v = state.latest()
+        if v is None:
+            raise NotFound(f"model {state.name!r} has no versions")
+        return v
+    alias = spec.removeprefix("@")
+    if alias in state.aliases:
+        return state.aliases[alias]
+    if spec.removeprefix("v").isdigit() and spec.removeprefix("v") in state.versions:
+        return spec.removeprefix("v")
+    have = ", ".join(sorted(state.versions, key=int)) or "none"
+    raise NotFound(f"model {state.name!r} has no version or alias {spec!r} (versions: {have}; "
+                   f"aliases: {', '.join(f'@{a}' for a in sorted(state.aliases)) or 'none'})")
+
+
+def alias_version(tracking_uri: str, name: str, alias: str) -> str:
+    """The version ``name@alias`` points at now (``NotFound`` if the alias or the registry
+    database does not exist; a missing sqlite file is never created as a side effect)."""
+    db = sqlite_file(tracking_uri)
+    if db is not None and not db.exists():
+        raise NotFound(f"models:/{name}@{alias}: no registry database at {db}")
+    try:
+        mv = call(tracking_uri, f"reading models:/{name}@{alias}",
+                  lambda: client(tracking_uri).get_model_version_by_alias(name, alias))
+    except RegistryUnreachable:
+        raise
+    except RegistryError as e:  # no such model or alias (MLflow's error codes vary by store)
+        raise NotFound(str(e)) from None
+    return str(mv.version)
+
+
+def set_aliases(tracking_uri: str, name: str, moves: list[tuple[str, str]], before: dict[str, str | None]) -> None:
+    """Apply alias moves in order; if one fails, undo the ones already made (restore each
+    alias to ``before[alias]``, deleting it where it did not exist) and raise saying what
+    state the aliases are in."""
+    c = client(tracking_uri)
+    done: list[str] = []
+    for alias, version in moves:
+        try:
+            call(tracking_uri, f"setting @{alias} -> {version}",
+                 lambda: c.set_registered_model_alias(name, alias, str(version)))
+        except RegistryError as e:
+            failed_undo = []
+            for a in reversed(done):
+                old = before.get(a)
+                try:
+                    if old is None:
+                        c.delete_registered_model_alias(name, a)
+                    else:
+                        c.set_registered_model_alias(name, a, str(old))
+                except Exception as undo_error:  # noqa: BLE001 - report below
+                    failed_undo.append(f"@{a} (should be {old or 'unset'}: {undo_error})")
+            state = ("aliases restored: " + ", ".join(f"@{a}={before.get(a) or 'unset'}" for a in done)
+                     if done and not failed_undo else "no alias was changed" if not done else
+                     "COULD NOT RESTORE " + "; ".join(failed_undo) + " - fix by hand with set_registered_model_alias")
+            raise type(e)(f"{e}; {state}") from None
+        done.append(alias)
+
+
+def set_version_tags(tracking_uri: str, name: str, version: str, tags: dict[str, str]) -> None:
+    c = client(tracking_uri)
+    for k, v in tags.items():  # MLflow has no batch call for version tags
+        call(tracking_uri, f"tagging v{version}", lambda k=k, v=v: c.set_model_version_tag(name, version, k, v))
+
+
+# ---------------------------------------------------------------------------- downloads
+def drafter_cache() -> Path:
+    """Where downloaded drafter versions are kept (``$DFLASH_CACHE/drafters``)."""
+    from specdec.target import cache_root
+
+    return cache_root() / "drafters"
+
+
+def find_drafter_dir(root: str | Path) -> Path:
+    """The directory under ``root`` (root itself first) that holds a drafter checkpoint."""
+    root = Path(root)
+    for cand in [root, *sorted(p.parent for p in root.rglob("config.json"))]:
+        if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
+            return cand
+    raise FileNotFoundError(f"no drafter checkpoint (config.json + model.safetensors) under {root}")
+
+
+def download_version(tracking_uri: str, name: str, version: str, dst: str | Path | None = None) -> Path:
+    """The drafter directory of ``name`` v``version``, downloaded once into ``dst`` (default:
+    the drafter cache, shared by the replicas of a node: written to a temporary folder and
+    renamed, so a half-written download is never used)."""
+    import mlflow
+
+    dst = Path(dst) if dst is not None else drafter_cache() / name / str(version)
+    if not (dst.exists() and any(dst.iterdir())):
+        tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        # the version's own artifact URI through OUR client: downloading "models:/..." would
+        # resolve the name against the process-wide registry URI, ignoring ours
+        source = call(tracking_uri, f"resolving {name} v{version}",
+                      lambda: client(tracking_uri).get_model_version_download_uri(name, str(version)))
+        call(tracking_uri, f"downloading {name} v{version} from {source}",
+             lambda: mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp),
+                                                         tracking_uri=tracking_uri))
+        try:
+            if dst.exists():
+                dst.rmdir()  # an empty leftover
+            tmp.rename(dst)
+        except OSError:  # another replica on this node got there first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return find_drafter_dir(dst)
+    except FileNotFoundError:
+        raise RegistryError(f"{name} v{version}: its artifact ({dst}) holds no drafter "
+                            "(config.json + model.safetensors)") from None

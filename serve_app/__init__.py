@@ -25,9 +25,9 @@ def build_app(args: dict | None = None):
     """App builder for ``serve run serve_app:build_app key=value ...`` and config.yaml."""
     cfg = load_config(args)
     if cfg.speculation_requested and cfg.tracking_uri is None and (cfg.drafter_source or "").startswith("models:/"):
-        from serve_app.registry import default_tracking_uri
+        from pipelines.registry import resolve_tracking_uri
 
-        cfg = cfg.model_copy(update={"tracking_uri": default_tracking_uri()})  # pin the driver's registry
+        cfg = cfg.model_copy(update={"tracking_uri": resolve_tracking_uri()})  # pin the driver's registry, absolute
     if cfg.backend == "vllm":
         from serve_app.backends import build_vllm_app
 

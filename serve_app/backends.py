@@ -78,10 +78,8 @@ def build_vllm_app(cfg: ServeConfig):
     """The Ray Serve LLM OpenAI app (GPU machines with vLLM installed)."""
     from ray.serve.llm import LLMConfig, build_openai_app  # needs vLLM
 
-    from serve_app.registry import DrafterSource
+    from serve_app.registry import DrafterNotFound, DrafterSource
     from specdec.target import resolve_target_path
-
-    from serve_app.registry import DrafterNotFound
 
     drafter_dir = None
     if cfg.speculation_requested:

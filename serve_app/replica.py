@@ -62,19 +62,18 @@ class Detokenizer:
 
 def speculative_summary(stats: dict, block_size_max: int) -> dict:
     """The accepted-length statistics reported in ``usage.speculative``."""
+    from specdec.engine import length_histogram, tau_of  # the replica has torch loaded anyway
+
     accepted = stats.get("accepted") or []
     cycles = len(accepted)
     drafted = int(stats.get("drafted", 0))
-    hist: dict[str, int] = {}
-    for a in accepted:
-        hist[str(a + 1)] = hist.get(str(a + 1), 0) + 1
     return {
         "cycles": cycles,
-        "mean_accepted_length": (sum(accepted) / cycles + 1.0) if cycles else None,
+        "mean_accepted_length": tau_of(accepted),
         "draft_tokens": drafted,
         "accepted_draft_tokens": int(sum(accepted)),
         "acceptance_rate": (sum(accepted) / drafted) if drafted else None,
-        "accepted_length_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "accepted_length_histogram": length_histogram(accepted),
         "max_block_size": block_size_max,
         "max_batch_rows": int(stats.get("max_batch_rows", 0)),
         "draft_s": round(float(stats.get("draft_s", 0.0)), 6),

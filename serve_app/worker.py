@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 
-import torch
 
 from specdec.engine import DFlashProposer, Engine, Request
 
@@ -85,77 +84,12 @@ class Stream:
             return None
 
 
-class TimedProposer:
-    """Wraps ``DFlashProposer``: times the drafter pass, records the block size a step
-    really ran (the engine may shrink it), and keeps the drafter's context complete
-    across AR steps (k = 1), which do not call ``propose``.
-
-    ``DFlashProposer.commit`` *replaces* the target features it has not cached yet (it
-    caches them in ``propose``), so after an AR step they would be lost. Here AR steps
-    append their features to the pending ones instead, and the drafter caches them in one
-    batch at the next drafting step (or every ``max_pending`` steps): while speculation is
-    off the drafter costs almost nothing per step.
-    """
-
-    needs_features = True
-
-    def __init__(self, inner: DFlashProposer, max_pending: int = 8):
-        self.inner = inner
-        self.layer_ids = inner.layer_ids
-        self.max_pending = max_pending
-        self.last_k = 1
-        self.draft_s = 0.0
-
-    def start_step(self) -> None:
-        self.last_k, self.draft_s = 1, 0.0
-
-    def admit(self, engine, rows, features, lens):
-        self.inner.admit(engine, rows, features, lens)
-
-    def propose(self, engine, k):
-        t0 = time.perf_counter()
-        out = self.inner.propose(engine, k)
-        self.draft_s += time.perf_counter() - t0
-        self.last_k = k + 1
-        return out
-
-    def commit(self, features, keep):
-        inner = self.inner
-        pending = inner.pending
-        if pending is None or pending.shape[1] == 0:  # after a drafting step: nothing waits
-            inner.commit(features, keep)
-            return
-        if pending.shape[1] >= self.max_pending:
-            inner._ingest()
-            inner.commit(features, keep)
-            return
-        # append each row's kept features right after its pending ones
-        m = int(keep.max())
-        rows, n = pending.shape[0], pending.shape[1]
-        out = pending.new_zeros(rows, n + m, pending.shape[2])
-        out[:, :n] = pending
-        offs = torch.arange(m, device=keep.device)
-        valid = offs[None, :] < keep[:, None]
-        r = torch.arange(rows, device=keep.device)[:, None].expand(-1, m)[valid]
-        out[r, (inner.pending_n[:, None] + offs[None, :])[valid]] = features[:, :m][valid]
-        inner.pending, inner.pending_n = out, inner.pending_n + keep
-
-    def flush(self) -> None:
-        """Cache every pending feature now (new rows' prompts are cached at admission; this
-        is only the live rows' few AR-step features, otherwise batched every ``max_pending``)."""
-        if self.inner.pending is not None and self.inner.pending.shape[1] > 0:
-            self.inner._ingest()
-
-    def select(self, idx):
-        self.inner.select(idx)
-
-
 class _Generation:
     """An engine with one drafter (or none) and the controller that picks its block size."""
 
     def __init__(self, target, drafter, version: str, mode, cost: CostModel, seed: int | None):
         self.version = version
-        self.proposer = TimedProposer(DFlashProposer(drafter, target)) if drafter is not None else None
+        self.proposer = DFlashProposer(drafter, target) if drafter is not None else None
         self.max_block = int(drafter.config.block_size) if drafter is not None else 1
         self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
         self.controller = BlockSizeController(self.max_block, mode if drafter is not None else "off", cost)
@@ -331,21 +265,17 @@ class EngineWorker:
     def _step(self, gen: _Generation) -> None:
         rows = list(gen.engine.rows)
         k = gen.controller.choose(len(rows))
-        if gen.proposer is not None:
-            gen.proposer.start_step()
-        t0 = time.perf_counter()
         try:
             done = gen.engine.step(k)
         except Exception as e:
             log.exception("engine step failed; failing its %d rows and starting a fresh engine", len(rows))
             self._fail_generation(gen, f"engine step failed: {type(e).__name__}: {e}")
             return
-        total = time.perf_counter() - t0
-        k_run = gen.proposer.last_k if gen.proposer is not None else 1
-        draft_s = gen.proposer.draft_s if gen.proposer is not None else 0.0
+        cycle = gen.engine.last_cycle  # the block it really ran (the engine may shrink it) and its times
+        k_run, draft_s, rest_s = cycle.k, cycle.draft_s, cycle.verify_s + cycle.overhead_s
         accepted = [r.stats.accepted[-1] for r in rows]
-        gen.controller.observe(len(rows), k_run, accepted, draft_s, total - draft_s)
-        self.metrics.cycle(len(rows), k_run, accepted, draft_s, total - draft_s, gen.controller.expected_speedup)
+        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s)
+        self.metrics.cycle(len(rows), k_run, accepted, draft_s, rest_s, gen.controller.expected_speedup)
         for r in rows:
             owner = self._live.get(id(r.request))
             if owner is not None:

@@ -12,10 +12,11 @@ machine noise hits all methods alike. Methods:
   only, so larger batches run it prompt by prompt);
 * ``oracle``: our Engine proposing the ``ar`` output itself, i.e. the engine's ceiling.
 
-Fair comparison: every method generates exactly ``max_new_tokens`` unless ``respect_eos``.
-Our engine gets ``stop_ids=frozenset()``; HF gets ``eos_token_id=None`` (no stopping)
-rather than ``min_new_tokens`` (which masks EOS logits and so changes the greedy text,
-breaking the token-for-token comparison with ``ar``).
+Fair comparison: every method generates exactly ``max_new_tokens`` unless ``respect_eos``,
+and every method stops the same way. Without it our engine gets ``stop_ids=frozenset()``
+and HF ``eos_token_id=None`` (no stopping) rather than ``min_new_tokens`` (which masks EOS
+logits and so changes the greedy text, breaking the token-for-token comparison with
+``ar``); with it, all of them stop at the target's stop tokens (HF's output is cut there).
 
 Time accounting for our engine: draft_s and verify_s come from the engine's Stats (one
 value per batch, since every cycle runs all live rows at once); overhead_s is the rest
@@ -29,18 +30,17 @@ import json
 import os
 import platform
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Result
+from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Result, length_histogram, tau_of
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 
 METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle")
-SPECULATIVE = ("dflash", "oracle")  # methods whose cost terms r_d, r_v, r_o we report
 
 
 class BenchError(ValueError):
@@ -234,63 +234,87 @@ class _Acc:
         self.accepted += run.accepted
 
 
-def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
-    """Measure ``cfg.methods`` side by side; returns the report (see ``write_report``)."""
+#: One method of a side-by-side run: (batch, max_new_tokens, seed, ar's outputs for the
+#: batch or None) -> Run. ``ar`` itself must be one of the methods (the reference).
+Method = Callable[[list[list[int]], int, int, "list[list[int]] | None"], Run]
+
+
+def measure_methods(methods: dict[str, Method], prompts: list[list[int]], max_new_tokens: int,
+                    batch_size: int = 1, seed: int = 0, warmup_tokens: int = 8,
+                    progress: bool = False) -> dict[str, _Acc]:
+    """The harness every comparison uses (benchmark, promotion, reference publishing):
+    every method once on the first batch, short (allocator, kernels, lazy init), then per
+    batch every method in turn, the order rotating from batch to batch so machine noise
+    hits all methods alike. Returns per-method totals, for :func:`summarise`."""
     from tqdm import tqdm
 
+    names = list(methods)
+    first = prompts[:batch_size]
+    warm = min(warmup_tokens, max_new_tokens)
+    ar_warm = methods["ar"](first, warm, seed, None).tokens
+    for m in names:
+        if m != "ar":
+            methods[m](first, warm, seed, ar_warm)
+    acc = {m: _Acc() for m in names}
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    bar = tqdm(batches, desc="benchmark", unit="batch", disable=not progress)
+    for b, batch in enumerate(bar):
+        batch_seed = seed + 1000 * b
+        ar_out = None
+        for m in _order(names, b):
+            run = methods[m](batch, max_new_tokens, batch_seed, ar_out)
+            if m == "ar":
+                ar_out = run.tokens
+            acc[m].add(run)
+        bar.set_postfix({m: f"{a.tokens / a.wall:.1f}" for m, a in acc.items() if a.wall})
+    return acc
+
+
+def summarise(acc: dict[str, _Acc], greedy: bool) -> dict:
+    """``results`` (one per method), ``exactness`` (greedy identity with ``ar``) and
+    ``cost_terms`` (tau vs r_d + r_v + r_o per engine method that drafted)."""
+    return {"results": [_result(m, acc) for m in acc], "exactness": _exactness(acc, greedy),
+            "cost_terms": _cost_terms(acc)}
+
+
+def engine_method(target: Target, params: SamplingParams, proposer_factory=None, block_size: int = 16,
+                  stop_ids: frozenset[int] | None = None, oracle: bool = False) -> Method:
+    """A method running our engine; ``proposer_factory()`` makes a fresh proposer per batch."""
+    def run(batch, n, seed, ar_out):
+        proposer = proposer_factory() if proposer_factory is not None else None
+        return run_engine(target, batch, n, params, proposer, block_size, seed, stop_ids,
+                          ar_out if oracle else None)[1]
+    return run
+
+
+def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
+    """Measure ``cfg.methods`` side by side; returns the report (see ``write_report``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = target or load_target_checked(cfg.target)
     drafter = load_drafter_for(cfg.drafter, target) if "dflash" in cfg.methods else None
     prompt_ids, prompts = load_prompt_ids(target, cfg.prompts, cfg.num_prompts)
     params = cfg.sampling
-    stop = None if cfg.respect_eos else frozenset()
+    # every method stops the same way: at the target's stop tokens, or never
+    stop = frozenset(target.stop_token_ids()) if cfg.respect_eos else frozenset()
     if cfg.block_size is None:  # the drafter's own block size (what it was trained for)
         cfg = dataclasses.replace(cfg, block_size=int(drafter.config.block_size) if drafter is not None else 16)
     K = cfg.block_size
 
-    def one(method: str, batch: list[list[int]], n: int, seed: int, oracles) -> Run:
-        if method == "hf_generate":
-            return run_hf(target, batch, n, params, seed, stop)
-        if method == "prompt_lookup":  # HF assisted generation is batch-1 only
-            runs = [run_hf(target, [p], n, params, seed + j, stop, cfg.prompt_lookup_tokens)
-                    for j, p in enumerate(batch)]
-            return Run([r.tokens[0] for r in runs], sum(r.wall_s for r in runs))
-        proposer = None
-        if method == "oracle":
-            proposer = OracleProposer()
-        elif method == "dflash":
-            proposer = DFlashProposer(drafter, target)
-        return run_engine(target, batch, n, params, proposer, K, seed, stop,
-                          oracles if method == "oracle" else None)[1]
+    def prompt_lookup(batch, n, seed, _):  # HF assisted generation is batch-1 only
+        runs = [run_hf(target, [p], n, params, seed + j, stop, cfg.prompt_lookup_tokens) for j, p in enumerate(batch)]
+        return Run([r.tokens[0] for r in runs], sum(r.wall_s for r in runs))
 
-    # warm-up: every method once on the first batch, short (allocator, kernels, HF setup)
-    first = prompts[: cfg.batch_size]
-    warm = min(cfg.warmup_tokens, cfg.max_new_tokens)
-    ar_warm = one("ar", first, warm, cfg.seed, None).tokens
-    for m in cfg.methods:
-        if m != "ar":
-            one(m, first, warm, cfg.seed, ar_warm)
-
-    acc = {m: _Acc() for m in cfg.methods}
-    batches = [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-    bar = tqdm(batches, desc="benchmark", unit="batch", disable=not cfg.progress)
-    for b, batch in enumerate(bar):
-        seed = cfg.seed + 1000 * b
-        ar_out = None
-        for m in _order(cfg.methods, b):
-            run = one(m, batch, cfg.max_new_tokens, seed, ar_out)
-            if m == "ar":
-                ar_out = run.tokens
-            acc[m].add(run)
-        bar.set_postfix({m: f"{a.tokens / a.wall:.1f}" for m, a in acc.items() if a.wall})
-
-    report = {
-        "config": _config(cfg, target, prompt_ids, prompts),
-        "results": [_result(m, acc) for m in cfg.methods],
-        "exactness": _exactness(cfg, acc),
-        "cost_terms": _cost_terms(cfg, acc),
+    available = {
+        "hf_generate": lambda batch, n, seed, _: run_hf(target, batch, n, params, seed, stop),
+        "ar": engine_method(target, params, None, K, stop),
+        "dflash": engine_method(target, params, lambda: DFlashProposer(drafter, target), K, stop),
+        "prompt_lookup": prompt_lookup,
+        "oracle": engine_method(target, params, OracleProposer, K, stop, oracle=True),
     }
+    acc = measure_methods({m: available[m] for m in cfg.methods}, prompts, cfg.max_new_tokens, cfg.batch_size,
+                          cfg.seed, cfg.warmup_tokens, cfg.progress)
+    report = {"config": _config(cfg, target, prompt_ids, prompts), **summarise(acc, params.greedy)}
     if cfg.save_outputs:
         report["outputs"] = {m: a.outputs for m, a in acc.items()}
     return report
@@ -311,14 +335,14 @@ def _result(m: str, acc: dict[str, _Acc]) -> dict:
     tps = a.tokens / a.wall if a.wall else 0.0
     ar = acc.get("ar")
     ar_tps = ar.tokens / ar.wall if ar and ar.wall else None
-    engine = a.draft is not None
-    hist = Counter(x + 1 for x in a.accepted) if engine and a.accepted else None
+    engine = a.draft is not None  # our engine (ar included: tau 1, one token a cycle)
+    drafted = engine and bool(a.accepted)
     return {
         "method": m,
         "tokens_per_s": float(tps),
         "speedup_vs_ar": float(tps / ar_tps) if ar_tps else float("nan"),
-        "tau_mean": float(sum(a.accepted) / len(a.accepted) + 1) if hist else None,
-        "tau_hist": {str(k): int(hist[k]) for k in sorted(hist)} if hist else None,
+        "tau_mean": tau_of(a.accepted) if drafted else None,
+        "tau_hist": length_histogram(a.accepted) if drafted else None,
         "draft_s": float(a.draft) if engine else None,
         "verify_s": float(a.verify) if engine else None,
         "overhead_s": float(a.wall - a.draft - a.verify) if engine else None,
@@ -327,9 +351,9 @@ def _result(m: str, acc: dict[str, _Acc]) -> dict:
     }
 
 
-def _exactness(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
+def _exactness(acc: dict[str, _Acc], greedy: bool) -> dict:
     """Greedy outputs must equal ``ar`` token for token; sampling makes this moot."""
-    out = {"reference": "ar", "applicable": cfg.sampling.greedy and "ar" in acc, "equal": {}, "first_mismatch": {}}
+    out = {"reference": "ar", "applicable": greedy and "ar" in acc, "equal": {}, "first_mismatch": {}}
     if not out["applicable"]:
         return out
     ref = acc["ar"].outputs
@@ -338,12 +362,12 @@ def _exactness(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
             continue
         bad = [(i, next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), min(len(o), len(r))))
                for i, (o, r) in enumerate(zip(a.outputs, ref)) if o != r]
-        out["equal"][m] = not bad
+        out["equal"][m] = not bad and len(a.outputs) == len(ref)
         out["first_mismatch"][m] = list(bad[0]) if bad else None  # [prompt index, token index]
     return out
 
 
-def _cost_terms(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
+def _cost_terms(acc: dict[str, _Acc]) -> dict:
     """DESIGN.md's S = tau * L_ar / (T_d + T_v + T_o) per cycle; r_x = T_x / L_ar, where
     L_ar is one ``ar`` engine step (for the whole batch) and T_o includes prefill (whose
     share is reported as r_prefill: long prompts with short outputs are prefill-bound)."""
@@ -352,11 +376,10 @@ def _cost_terms(cfg: BenchConfig, acc: dict[str, _Acc]) -> dict:
         return {}
     L = ar.wall / ar.cycles
     out = {"L_ar_s": L}
-    for m in SPECULATIVE:
-        a = acc.get(m)
-        if not a or not a.cycles:
+    for m, a in acc.items():
+        if m == "ar" or a.draft is None or not a.cycles:
             continue
-        tau = sum(a.accepted) / len(a.accepted) + 1
+        tau = tau_of(a.accepted)
         r_d, r_v = a.draft / a.cycles / L, a.verify / a.cycles / L
         r_o = (a.wall - a.draft - a.verify) / a.cycles / L
         out[m] = {"tau": tau, "r_d": r_d, "r_v": r_v, "r_o": r_o, "r_prefill": a.prefill / a.cycles / L,
@@ -412,10 +435,8 @@ def format_report(report: dict) -> str:
             lines.append(f"greedy exactness {m} == ar: {ok}{where}")
     else:
         lines.append("greedy exactness: not applicable (sampling, or ar not run)")
-    ct = report["cost_terms"]
-    for m in SPECULATIVE:
-        if m in ct:
-            c = ct[m]
+    for m, c in report["cost_terms"].items():
+        if m != "L_ar_s":
             total = c["r_d"] + c["r_v"] + c["r_o"]
             lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
                          f"{c['r_o']:.2f} = {total:.2f} -> predicted {c['predicted_speedup']:.2f}x "
@@ -503,5 +524,5 @@ def format_stats(result: Result, wall: float) -> str:
     ]
     if s.accepted:
         lines.append("accepted length histogram (tokens committed per cycle):")
-        lines += histogram_lines({str(k): v for k, v in sorted(Counter(a + 1 for a in s.accepted).items())})
+        lines += histogram_lines(length_histogram(s.accepted))
     return "\n".join(lines)

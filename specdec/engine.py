@@ -10,6 +10,7 @@ and the caches drop every rejected position. ``generate`` is the static-batch lo
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,12 +46,62 @@ class Stats:
     @property
     def tau(self) -> float | None:
         """Mean tokens committed per cycle, E[A + 1]."""
-        return (sum(self.accepted) / len(self.accepted) + 1) if self.accepted else None
+        return tau_of(self.accepted)
+
+    def add(self, cycle: "Cycle", accepted: int) -> None:
+        self.cycles += 1
+        self.accepted.append(accepted)
+        self.draft_s += cycle.draft_s
+        self.verify_s += cycle.verify_s
+        self.overhead_s += cycle.overhead_s
 
     def as_dict(self) -> dict:
         return {"cycles": self.cycles, "tau": self.tau, "accepted": list(self.accepted),
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "overhead_s": self.overhead_s}
+
+
+def tau_of(accepted: list[int]) -> float | None:
+    """tau = E[A + 1] from the accepted draft lengths A of a set of cycles (None: no cycle)."""
+    return (sum(accepted) / len(accepted) + 1) if accepted else None
+
+
+def length_histogram(accepted: list[int]) -> dict[str, int]:
+    """Cycles per accepted length A + 1 (tokens committed per cycle), keys in order."""
+    counts: dict[int, int] = {}
+    for a in accepted:
+        counts[a + 1] = counts.get(a + 1, 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+@dataclass
+class Cycle:
+    """What one ``Engine.step`` ran: its block length and where its time went."""
+
+    k: int = 1  # anchor + drafts verified (1: a plain AR step)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+
+
+class PhaseClock:
+    """Times the phases of a cycle (``with clock("draft"): ...``) so the algorithm's lines
+    carry no timing code; ``cycle(k)`` closes the cycle and starts the next one."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+    def cycle(self, k: int) -> Cycle:
+        t, self.times = self.times, {}
+        return Cycle(k, t.get("draft", 0.0), t.get("verify", 0.0), t.get("overhead", 0.0))
 
 
 @dataclass
@@ -62,9 +113,13 @@ class Result:
 
 
 class Proposer(Protocol):
-    """Drafts K tokens per live row. State is per row and follows the engine's row order."""
+    """Drafts K tokens per live row. State is per row and follows the engine's row order.
+
+    ``commit`` is called after every step, drafting or not (k = 1 steps still commit the
+    target features of the token they accepted), so a proposer's context stays complete."""
 
     needs_features: bool
+    layer_ids: list[int] | None  # target layers whose features it reads (None: none)
 
     def admit(self, engine: "Engine", rows: list[Result], features: torch.Tensor | None, lens: torch.Tensor) -> None: ...
     def propose(self, engine: "Engine", k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
@@ -81,7 +136,9 @@ class Engine:
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
         self.default_stop = frozenset(target.stop_token_ids())
-        self.layer_ids = getattr(proposer, "layer_ids", None) if proposer and proposer.needs_features else None
+        self.layer_ids = proposer.layer_ids if proposer is not None and proposer.needs_features else None
+        self.clock = PhaseClock()
+        self.last_cycle = Cycle()  # what the latest step ran (serving's controller reads it)
         self.rows: list[Result] = []
         self.cache = DynamicCache()
         self.lens = torch.zeros(0, dtype=torch.long, device=target.device)
@@ -135,42 +192,39 @@ class Engine:
         """One draft/verify cycle for every live row; returns rows that finished."""
         if not self.rows:
             return []
-        t0 = time.perf_counter()
+        clock = self.clock
         k = self._block_len(block_size or self.block_size) if self.proposer is not None else 1
-        draft, q = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.anchors.device), None
-        if k > 1:
-            draft, q = self.proposer.propose(self, k - 1)
-        t1 = time.perf_counter()
+        with clock("draft"):
+            draft, q = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.anchors.device), None
+            if k > 1:
+                draft, q = self.proposer.propose(self, k - 1)
 
-        block = torch.cat([self.anchors[:, None], draft], dim=1)
-        past = kvcache.physical_len(self.cache)
-        pos = self.lens[:, None] + torch.arange(k, device=block.device)
-        mask = kvcache.attention_mask(self.lens, past, k, causal=True)
-        out = self.target(block, pos, self.cache, mask, self.layer_ids)
-        logits = self.target.logits(out.hidden)
-        params = [r.request.params for r in self.rows]
-        if all(p.greedy for p in params):
-            num_acc, toks = greedy_accept(draft, logits.argmax(-1))
-        else:
-            num_acc, toks = speculative_accept(draft, q, probs_from_logits(logits, params), self.generator)
-        t2 = time.perf_counter()
+        with clock("verify"):
+            block = torch.cat([self.anchors[:, None], draft], dim=1)
+            past = kvcache.physical_len(self.cache)
+            pos = self.lens[:, None] + torch.arange(k, device=block.device)
+            mask = kvcache.attention_mask(self.lens, past, k, causal=True)
+            out = self.target(block, pos, self.cache, mask, self.layer_ids)
+            logits = self.target.logits(out.hidden)
+            params = [r.request.params for r in self.rows]
+            if all(p.greedy for p in params):
+                num_acc, toks = greedy_accept(draft, logits.argmax(-1))
+            else:
+                num_acc, toks = speculative_accept(draft, q, probs_from_logits(logits, params), self.generator)
 
-        keep = num_acc + 1  # the anchor and the accepted drafts enter the cache
-        self.lens = kvcache.commit(self.cache, self.lens, past, keep)
-        if self.proposer is not None:
-            self.proposer.commit(out.features, keep)
-        rows_idx = torch.arange(len(self.rows), device=toks.device)
-        self.anchors = toks[rows_idx, num_acc]
-        for row, a, emitted in zip(self.rows, num_acc.tolist(), toks.tolist()):
-            row.stats.accepted.append(a)
-            self._emit(row, emitted[: a + 1])
-        t3 = time.perf_counter()
-        for row in self.rows:
-            s = row.stats
-            s.cycles += 1
-            s.draft_s += t1 - t0
-            s.verify_s += t2 - t1
-            s.overhead_s += t3 - t2
+        with clock("overhead"):
+            keep = num_acc + 1  # the anchor and the accepted drafts enter the cache
+            self.lens = kvcache.commit(self.cache, self.lens, past, keep)
+            if self.proposer is not None:
+                self.proposer.commit(out.features, keep)
+            rows_idx = torch.arange(len(self.rows), device=toks.device)
+            self.anchors = toks[rows_idx, num_acc]
+            accepted = num_acc.tolist()
+            for row, a, emitted in zip(self.rows, accepted, toks.tolist()):
+                self._emit(row, emitted[: a + 1])
+        self.last_cycle = clock.cycle(k)
+        for row, a in zip(self.rows, accepted):
+            row.stats.add(self.last_cycle, a)
         return self._drop_finished()
 
     def cancel(self, request: Request) -> Result | None:
@@ -222,11 +276,16 @@ class Engine:
 # ---------------------------------------------------------------------- proposers
 class DFlashProposer:
     """Drafts with a DFlash drafter: context K/V cached per committed position; the block
-    ``[anchor, MASK x K]`` is denoised in one pass and its K/V are never stored."""
+    ``[anchor, MASK x K]`` is denoised in one pass and its K/V are never stored.
+
+    Committed target features wait in ``pending`` and enter the context cache in one
+    drafter pass at the next drafting step, or once ``max_pending`` positions wait (steps
+    with speculation off, k = 1, draft nothing): while serving runs plain AR steps the
+    drafter costs almost nothing per step, and its context is complete when drafting resumes."""
 
     needs_features = True
 
-    def __init__(self, drafter, target: Target):
+    def __init__(self, drafter, target: Target, max_pending: int = 8):
         from specdec.cpu_kernels import pack_linears
 
         self.drafter = drafter
@@ -235,10 +294,11 @@ class DFlashProposer:
         pack_linears(drafter)  # inference only; a no-op off CPU, for float64 and once packed
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.mask_id = drafter.config.mask_token_id
+        self.max_pending = max_pending
         self.cache = DynamicCache()
         self.lens = torch.zeros(0, dtype=torch.long, device=target.device)
         self.pending: torch.Tensor | None = None  # (B, n, F) features not yet in the cache
-        self.pending_n = torch.zeros(0, dtype=torch.long, device=target.device)
+        self.pending_n = torch.zeros(0, dtype=torch.long, device=target.device)  # valid per row
 
     def admit(self, engine, rows, features, lens):
         # The prompts go straight into the new rows' own cache. Left pending, they would be
@@ -253,7 +313,7 @@ class DFlashProposer:
 
     @torch.no_grad()
     def propose(self, engine: Engine, k: int):
-        self._ingest()
+        self.flush()
         B = len(engine.rows)
         dev = engine.anchors.device
         block = torch.full((B, k + 1), self.mask_id, dtype=torch.long, device=dev)
@@ -272,15 +332,29 @@ class DFlashProposer:
         return sample(q, engine.generator), q
 
     def commit(self, features, keep):
-        self.pending = features[:, : int(keep.max())]
-        self.pending_n = keep
+        """Queue each row's ``keep`` accepted features after the ones already waiting."""
+        m = int(keep.max())
+        if self.pending is None or self.pending.shape[1] == 0:
+            self.pending, self.pending_n = features[:, :m], keep
+            return
+        rows, n = self.pending.shape[:2]
+        out = self.pending.new_zeros(rows, n + m, self.pending.shape[2])
+        out[:, :n] = self.pending
+        offs = torch.arange(m, device=keep.device)
+        valid = offs[None, :] < keep[:, None]
+        r = torch.arange(rows, device=keep.device)[:, None].expand(-1, m)[valid]
+        out[r, (self.pending_n[:, None] + offs[None, :])[valid]] = features[:, :m][valid]
+        self.pending, self.pending_n = out, self.pending_n + keep
+        if int(self.pending_n.max()) >= self.max_pending:
+            self.flush()
 
     def select(self, idx):
         self.lens = kvcache.select_rows(self.cache, idx, self.lens)
         self.pending = self.pending[idx] if self.pending is not None else None
         self.pending_n = self.pending_n[idx]
 
-    def _ingest(self):
+    @torch.no_grad()
+    def flush(self) -> None:
         """Move pending target features into the context cache (compacted per row)."""
         if self.pending is None or self.pending.shape[1] == 0:
             return
@@ -298,6 +372,7 @@ class OracleProposer:
     engine's ceiling, since under greedy decoding every draft is accepted."""
 
     needs_features = False
+    layer_ids = None
 
     def admit(self, engine, rows, features, lens):
         pass
@@ -316,50 +391,6 @@ class OracleProposer:
 
     def select(self, idx):
         pass
-
-
-class FeatureRecorder:
-    """Never drafts (run the engine at ``block_size=1``); keeps the target features that
-    plain decoding computes anyway, so training data needs no second, teacher-forced pass.
-
-    Every position a sequence's tokens occupy gets its features except the last generated
-    token, which is never fed back: ``features(result)`` returns
-    ``(len(prompt) + len(tokens), F)`` with that final row zero. Training never reads it
-    (a block sees context strictly before its anchor)."""
-
-    needs_features = True
-
-    def __init__(self, layer_ids: list[int], dtype: torch.dtype | None = None):
-        self.layer_ids = list(layer_ids)
-        self.dtype = dtype  # e.g. float16: halve what a long generation holds
-        self.live: list[tuple[Result, list[torch.Tensor]]] = []
-        self.done: dict[int, torch.Tensor] = {}
-
-    def admit(self, engine, rows, features, lens):
-        for i, row in enumerate(rows):
-            self.live.append((row, [self._keep(features[i, : int(lens[i])])]))
-
-    def propose(self, engine: Engine, k: int):
-        raise RuntimeError("FeatureRecorder never drafts: run the engine with block_size=1")
-
-    def commit(self, features, keep):
-        for i, (_, parts) in enumerate(self.live):
-            parts.append(self._keep(features[i, : int(keep[i])]))
-
-    def select(self, idx):
-        kept = set(idx.tolist())
-        for i, (row, parts) in enumerate(self.live):
-            if i not in kept:
-                feats = torch.cat(parts)
-                self.done[id(row.request)] = torch.cat([feats, feats.new_zeros(1, feats.shape[1])])
-        self.live = [self.live[i] for i in idx.tolist()]
-
-    def features(self, result: Result) -> torch.Tensor:
-        """The finished ``result``'s features (popped: each is handed out once)."""
-        return self.done.pop(id(result.request))
-
-    def _keep(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype) if self.dtype is not None else x.clone()
 
 
 def _cat_padded(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

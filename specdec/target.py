@@ -222,7 +222,8 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 # ---------------------------------------------------------------------- loading
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """The project's cache folder: converted targets, downloaded drafters (``$DFLASH_CACHE``)."""
     return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash-ray"))
 
 
@@ -278,11 +279,11 @@ def resolve_target_path(name_or_path: str | None) -> str:
     """Map the embedded default (None, "smollm2", "smollm2-135m") to its converted cache;
     return anything else (local dir, hub id, .gguf file) converted or unchanged."""
     if name_or_path in EMBEDDED_NAMES:
-        return str(convert_gguf(assets.smollm2_gguf(), _cache_root() / "smollm2-135m-instruct"))
+        return str(convert_gguf(assets.smollm2_gguf(), cache_root() / "smollm2-135m-instruct"))
     p = Path(name_or_path)
     if p.suffix == ".gguf" and p.is_file():
         digest = hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]
-        return str(convert_gguf(p, _cache_root() / f"{p.stem}-{digest}"))
+        return str(convert_gguf(p, cache_root() / f"{p.stem}-{digest}"))
     return str(name_or_path)
 
 

@@ -92,6 +92,23 @@ def test_benchmark_schema_exactness_and_plot(assets):
     assert all(isinstance(t, int) for t in outs["ar"][0])
 
 
+def test_respect_eos_stops_every_method_at_the_same_token(assets, monkeypatch):
+    """--respect-eos: HF generate, prompt lookup and our engine all stop at the target's stop
+    tokens, so their outputs (and the exactness line) compare like for like."""
+    target = assets["target"]
+    base = dict(target=assets["target_dir"], drafter=assets["drafter"], prompts=assets["prompts"], num_prompts=3,
+                max_new_tokens=16, methods="hf_generate,ar,dflash,prompt_lookup", save_outputs=True, progress=False)
+    free = run_benchmark(BenchConfig(**base), target=target)["outputs"]["ar"]
+    stop = free[0][4]  # a token the target emits early on the first prompt
+    monkeypatch.setattr(target, "stop_token_ids", lambda: {stop})
+    report = run_benchmark(BenchConfig(**base, respect_eos=True), target=target)
+    outs = report["outputs"]
+    first = free[0].index(stop) + 1
+    assert outs["ar"][0] == free[0][:first] and len(outs["ar"][0]) < 16
+    assert all(outs[m] == outs["ar"] for m in outs), outs
+    assert all(report["exactness"]["equal"].values()), report["exactness"]
+
+
 def test_benchmark_rejects_bad_flags():
     with pytest.raises(BenchError, match="unknown method"):
         BenchConfig(methods="ar,beam")

@@ -97,7 +97,7 @@ def test_caches_equal_fresh_prefill_after_rejections(tiny):
     eng.add([Request(p, 30, stop_ids=NO_STOP, oracle=r) for p, r in zip(PROMPTS, ref)])
     for _ in range(3):
         eng.step()
-    prop._ingest()  # pending accepted features enter the draft cache
+    prop.flush()  # pending accepted features enter the draft cache
     assert any(a < 7 for row in eng.rows for a in row.stats.accepted), "need rejections"
     for b, row in enumerate(eng.rows):
         committed = row.request.prompt + row.tokens[:-1]  # the last token is the pending anchor
@@ -223,11 +223,55 @@ def test_continuous_batching_joins_and_cancels(tiny):
         assert by_req[id(reqs[i])] == ref[i]
 
 
+def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
+    """Steps with speculation off (k = 1) still feed the drafter's context cache (batched
+    every max_pending positions): after any mix of block sizes, and a row joining
+    mid-stream, the cache equals the context computed from scratch."""
+    t = tiny("llama")
+    drafter = random_drafter(t, block_size=8)
+    prop = DFlashProposer(drafter, t, max_pending=3)
+    engine = Engine(t, prop, block_size=8, seed=0)
+    engine.add([Request(p, 200, stop_ids=NO_STOP) for p in PROMPTS[:2]])
+    for k in (1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 2, 1, 1):
+        engine.step(k)
+        assert engine.last_cycle.k == k and engine.last_cycle.verify_s > 0
+    assert int(prop.pending_n.max()) < 3  # AR steps' features wait at most max_pending steps
+    engine.add([Request(PROMPTS[2], 200, stop_ids=NO_STOP)])  # joins while live rows hold pending features
+    for k in (1, 3, 1, 1, 1):
+        engine.step(k)
+    prop.flush()
+    assert len(engine.rows) == 3 and prop.lens.tolist() == engine.lens.tolist()
+    for b, row in enumerate(engine.rows):
+        ids = torch.tensor([row.request.prompt + row.tokens[:-1]])  # all but the anchor is committed
+        assert ids.shape[1] == int(engine.lens[b])
+        out = t(ids, torch.arange(ids.shape[1])[None], None, None, prop.layer_ids)
+        want = drafter.context_kv(out.features, torch.arange(ids.shape[1])[None])
+        got = kvcache.row_kv(prop.cache, b, int(prop.lens[b]))
+        for (wk, wv), (gk, gv) in zip(want, got):
+            torch.testing.assert_close(gk, wk[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(gv, wv[0], atol=1e-4, rtol=1e-4)
+
+
+def test_cycle_times_add_up_per_row(tiny):
+    """Each row's stats are the sum of the cycles it ran (one clock, no per-row drift)."""
+    t = tiny("llama")
+    eng = Engine(t, DFlashProposer(random_drafter(t), t), block_size=4)
+    eng.add([Request(p, 9, stop_ids=NO_STOP) for p in PROMPTS[:2]])
+    draft = verify = 0.0
+    while eng.rows:
+        eng.step()
+        draft, verify = draft + eng.last_cycle.draft_s, verify + eng.last_cycle.verify_s
+        last = eng.rows[0].stats if eng.rows else None
+        if last is not None:
+            assert last.draft_s == pytest.approx(draft) and last.verify_s == pytest.approx(verify)
+            assert last.cycles == len(last.accepted)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_feature_recorder_equals_a_teacher_forced_pass(tiny, family):
     """Features kept while decoding a ragged batch (rows finishing at different steps) are
     the teacher-forced features of prompt + completion; only the last token has none."""
-    from specdec.engine import FeatureRecorder
+    from pipelines.feature_workers import FeatureRecorder
 
     t = tiny(family)
     layers = [0, t.num_layers // 2, t.num_layers - 1]

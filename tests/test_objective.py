@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from specdec.objective import (block_mask_dense, block_mask_flex, default_lambda, dflash_loss, loss_weights,

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipelines import evaluate as E
 from pipelines import promote as P
 from pipelines import registry
 
@@ -114,7 +115,7 @@ def run_job(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def fake_measure(speedups: dict[str, float], exact: bool = True):
-    """A stand-in for P.measure with given numbers (for alias-failure paths, no engine)."""
+    """A stand-in for E.measure with given numbers (for alias-failure paths, no engine)."""
     def measure(target, candidates, prompts, prompt_ids, max_new_tokens, prompts_source, **kw):
         res = [{"method": "ar", "version": None, "role": "reference", "block_size": None, "tokens_per_s": 10.0,
                 "speedup_vs_ar": 1.0, "tau_mean": None, "tau_hist": None, "draft_s": None, "verify_s": None,
@@ -253,7 +254,7 @@ def test_promote_refuse_rollback_list(uri, flow_versions, prompts, target, capsy
     # what a target step does, so a real speedup over AR is timing noise; the pure rule is
     # tested in test_decision_rule, the real measurement in the steps before and after)
     with monkeypatch.context() as m:
-        m.setattr(P, "measure", fake_measure({v2: 1.5}))
+        m.setattr(E, "measure", fake_measure({v2: 1.5}))
         code, out, err = run_job(capsys, *base, "--challenger", v2)
     assert code == 0, err
     assert "PROMOTED" in out and f"dflash:v{v2}" in out and "faster than the target alone" in out
@@ -362,7 +363,7 @@ def fail_versions(uri, target, target_dir):
 
 def test_inexact_challenger_is_refused(uri, fail_versions, prompts, monkeypatch, capsys):
     """The engine is exact for any drafter, so exactness is flipped in the real measurement."""
-    real = P.measure
+    real = E.measure
 
     def inexact(*a, **kw):
         report = real(*a, **kw)
@@ -371,7 +372,7 @@ def test_inexact_challenger_is_refused(uri, fail_versions, prompts, monkeypatch,
             report["exactness"]["first_mismatch"][m] = [2, 7]
         return report
 
-    monkeypatch.setattr(P, "measure", inexact)
+    monkeypatch.setattr(E, "measure", inexact)
     code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-fail", "--challenger", fail_versions[0],
                              "--prompts", prompts, *PROMPT_ARGS)
     assert code == 1 and "not exact" in err and "prompt 2, token 7" in err
@@ -391,7 +392,7 @@ def test_dry_run_and_undone_alias_write(uri, fail_versions, prompts, monkeypatch
     registry.client(uri).set_registered_model_alias("dflash-fail", "champion", v1)
     before = aliases(uri, "dflash-fail")
     assert before == {"champion": v1}
-    monkeypatch.setattr(P, "measure", fake_measure({v1: 1.0, v2: 2.0}))
+    monkeypatch.setattr(E, "measure", fake_measure({v1: 1.0, v2: 2.0}))
 
     # a dry run decides and logs but moves nothing
     code, out, err = run_job(capsys, "--tracking-uri", uri, "--model", "dflash-fail", "--challenger", v2,
@@ -441,7 +442,7 @@ def test_embedded_sqlite_registry_with_s3_artifacts(work, target, target_dir, pr
 
         # the S3 download stays real; the numbers are given (a first champion must beat AR,
         # which on a tiny target is timing noise)
-        monkeypatch.setattr(P, "measure", fake_measure({v1: 1.5}))
+        monkeypatch.setattr(E, "measure", fake_measure({v1: 1.5}))
         code, out, err = run_job(capsys, "--model", MODEL, "--prompts", prompts, *PROMPT_ARGS, "--metric", "tau")
         assert code == 0, err
         assert aliases(db, MODEL) == {"champion": v1}
@@ -476,7 +477,7 @@ def test_publish_reference_replaces_only_a_winner(target, work, prompts, monkeyp
     assert not (root / "cyclic").exists() and report["exactness"]["equal"]["dflash:candidate"]
 
     with monkeypatch.context() as m:  # given numbers: a real win over AR is timing noise on a tiny target
-        m.setattr(P, "measure", fake_measure({"candidate": 1.5}))
+        m.setattr(E, "measure", fake_measure({"candidate": 1.5}))
         decision, report = P.publish_reference(fast, "cyclic", command="python train.py", **kw)
     assert decision.promote, decision.reason
     d = load_drafter(root / "cyclic", target=target)

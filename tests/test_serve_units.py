@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from serve_app import adaptive
@@ -262,43 +261,6 @@ def test_worker_cancel_frees_the_row_and_swap_keeps_live_rows(tiny):
             worker.stop()
 
     asyncio.run(main())
-
-
-def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
-    """Steps with speculation off (k = 1) must still feed the drafter's context cache: after
-    any mix of block sizes, and a row joining mid-stream, the cache equals the context
-    computed from scratch."""
-    from specdec import kvcache
-    from specdec.checkpoint import load_drafter
-    from specdec.engine import DFlashProposer, Engine, Request
-    from serve_app.worker import TimedProposer
-
-    root, target = tiny
-    drafter = load_drafter(make_drafter(target, root / "d-ctx"), target=target)
-    prop = TimedProposer(DFlashProposer(drafter, target), max_pending=3)
-    engine = Engine(target, prop, block_size=BLOCK, seed=0)
-    prompts = [target.encode_chat([{"role": "user", "content": "x " * n}]) for n in (3, 9)]
-    engine.add([Request(p, max_new_tokens=200) for p in prompts])
-    prop.flush()
-    for k in (1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 2, 1, 1):
-        engine.step(k)
-    # a longer prompt joins while the live rows hold pending features
-    engine.add([Request(target.encode_chat([{"role": "user", "content": "y " * 20}]), max_new_tokens=200)])
-    for k in (1, 3, 1, 1, 1):
-        engine.step(k)
-    prop.flush()
-    inner = prop.inner
-    assert len(engine.rows) == 3
-    assert inner.lens.tolist() == engine.lens.tolist()
-    for b, row in enumerate(engine.rows):
-        ids = torch.tensor([row.request.prompt + row.tokens[:-1]])
-        assert ids.shape[1] == int(engine.lens[b])  # everything but the anchor is committed
-        out = target(ids, torch.arange(ids.shape[1])[None], None, None, inner.layer_ids)
-        want = drafter.context_kv(out.features, torch.arange(ids.shape[1])[None])
-        got = kvcache.row_kv(inner.cache, b, int(inner.lens[b]))
-        for (wk, wv), (gk, gv) in zip(want, got):
-            torch.testing.assert_close(gk, wk[0], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(gv, wv[0], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------- registry + refusal
