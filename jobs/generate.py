@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
 import transformers  # noqa: E402
 
 from specdec.bench import BenchError, format_stats, generate_one, load_drafter_for, load_target_checked  # noqa: E402
+from specdec.drafter import check_block_size  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 
 
@@ -37,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="render the prompt with the target's chat template (default) or feed it raw")
     args = ap.parse_args(argv)
     try:
-        if args.block_size < 2 or args.max_new_tokens < 1:
-            raise BenchError("--block-size must be >= 2 and --max-new-tokens >= 1")
+        if args.max_new_tokens < 1:
+            raise BenchError("--max-new-tokens must be >= 1")
         try:
+            check_block_size(args.block_size, "--block-size")
             params = SamplingParams(args.temperature, args.top_p, args.top_k)
         except ValueError as e:
             raise BenchError(str(e)) from None

@@ -159,8 +159,13 @@ class PromoteConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise PromoteError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size is not None and self.block_size < 2:
-            raise PromoteError("--block-size must be >= 2")
+        if self.block_size is not None:
+            from specdec.drafter import check_block_size
+
+            try:
+                check_block_size(self.block_size, "--block-size")
+            except ValueError as e:
+                raise PromoteError(str(e)) from None
         if self.target_dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise PromoteError(f"--target-dtype: unknown dtype {self.target_dtype!r}")
 

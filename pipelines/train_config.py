@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from specdec.drafter import MIN_BLOCK_SIZE
 from specdec.target import target_slug  # noqa: F401  (re-exported: recipes name models by it)
 from pipelines.config import (FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, FeaturesConfig, apply_overrides, option,
                               parse_section, read_yaml)
@@ -27,7 +28,7 @@ from pipelines.config import (FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, Fea
 @dataclass
 class DrafterSection:
     num_layers: int = option(1, check=POSITIVE)  # draft decoder layers
-    block_size: int = option(16, check=(lambda v: v >= 2, ">= 2"))  # B: anchor + B-1 drafted tokens
+    block_size: int = option(16, check=(lambda v: v >= MIN_BLOCK_SIZE, f">= {MIN_BLOCK_SIZE}"))  # B: anchor + B-1 drafts
     layer_ids: list[int] | None = None  # target layers fed as features; null: the feature run's layers
     num_features: int = option(5, check=POSITIVE)  # online mode without layer_ids: this many, paper spacing
     mask_token_id: int | None = option(None, check=NON_NEGATIVE)  # null: a spare special token of the tokenizer

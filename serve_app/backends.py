@@ -39,9 +39,10 @@ def load_paired_drafter(path: str, target, dtype: str | None = None, device: str
 
 # ---------------------------------------------------------------------- vllm
 def drafter_block_size(drafter_dir: str | Path) -> int:
-    """B from a drafter checkpoint's config (``dflash_config.block_size`` first)."""
-    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
-    return int((cfg.get("dflash_config") or {}).get("block_size") or cfg.get("block_size") or 16)
+    """B from a drafter checkpoint's config (read as ``specdec.checkpoint`` reads it)."""
+    from specdec.drafter import DrafterConfig
+
+    return DrafterConfig.from_hf_dict(json.loads((Path(drafter_dir) / "config.json").read_text())).block_size
 
 
 def vllm_llm_config(cfg: ServeConfig, target_path: str, drafter_dir: str | None) -> dict:

@@ -261,7 +261,7 @@ class DFlashReplica:
                             "version": self.worker.drafter_version or None,
                             "block_size": self.worker.max_block,
                             "generations": self.worker.generations},
-                "drafter_error": self.drafter_error, "block_size_mode": self.cfg.block_size,
+                "drafter_error": self.drafter_error, "speculation": self.cfg.block_size,
                 "queue_depth": waiting, "active_requests": live,
                 "context_length": self.target.max_positions, "backend": "hf"}
 

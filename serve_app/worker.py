@@ -239,10 +239,11 @@ class EngineWorker:
         gen = self._gens[0]
         ok = []
         for s in streams:
-            p = s.request.prompt
-            if not p or len(p) >= self.target.max_positions:
+            try:
+                gen.engine.check(s.request)  # one bad prompt must not fail its batchmates' prefill
+            except ValueError as e:
                 self.metrics.finished("error")
-                s.push(("error", f"prompt of {len(p)} tokens does not fit the context of {self.target.max_positions}"))
+                s.push(("error", str(e)))
             else:
                 ok.append(s)
         if not ok:

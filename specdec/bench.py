@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.drafter import check_block_size
 from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Result, length_histogram, tau_of
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -91,8 +92,11 @@ class BenchConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "prompt_lookup_tokens"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size is not None and self.block_size < 2:
-            raise BenchError("--block-size must be >= 2")
+        if self.block_size is not None:
+            try:
+                check_block_size(self.block_size, "--block-size")
+            except ValueError as e:
+                raise BenchError(str(e)) from None
         try:
             self.sampling  # validates temperature / top_p / top_k
         except ValueError as e:

@@ -17,6 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+MIN_BLOCK_SIZE = 2  # the anchor and at least one drafted token
+
+
+def check_block_size(value, name: str = "block_size") -> int:
+    """The one rule for a block size B (every entry point calls it): an integer >= 2."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_BLOCK_SIZE:
+        raise ValueError(f"{name} must be an integer >= {MIN_BLOCK_SIZE}, got {value!r}")
+    return value
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -40,8 +50,7 @@ class DrafterConfig:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        check_block_size(self.block_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 

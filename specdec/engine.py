@@ -160,10 +160,7 @@ class Engine:
         t0 = time.perf_counter()
         dev = self.target.device
         for r in requests:
-            if not r.prompt:
-                raise ValueError("empty prompt")
-            if len(r.prompt) >= self.target.max_positions:
-                raise ValueError(f"prompt of {len(r.prompt)} tokens exceeds the context length {self.target.max_positions}")
+            self.check(r)
         lens = torch.tensor([len(r.prompt) for r in requests], device=dev)
         P = int(lens.max())
         ids = torch.zeros(len(requests), P, dtype=torch.long, device=dev)
@@ -187,6 +184,15 @@ class Engine:
             row.stats.prefill_s = dt
             self._emit(row, [tok])
         return self._drop_finished()
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError unless ``request`` can run here (a non-empty prompt that leaves
+        room in the context); ``add`` checks every request before touching any state."""
+        n = len(request.prompt)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n >= self.target.max_positions:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.target.max_positions}")
 
     def step(self, block_size: int | None = None) -> list[Result]:
         """One draft/verify cycle for every live row; returns rows that finished."""
