@@ -1,4 +1,4 @@
-"""Feature-stage benchmark (logic: pipelines/feature_bench.py).
+"""Feature-stage benchmark (logic: pipelines/features/bench.py).
 
     python jobs/bench_features.py --out runs/bench/features.json
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the result JSON here too")
     args = ap.parse_args(argv)
 
-    from pipelines.feature_bench import run_bench
+    from pipelines.features.bench import run_bench
 
     result = run_bench(args.sequences, args.max_tokens, args.batch_size, args.rounds, with_ray=not args.no_ray)
     text = json.dumps(result, indent=1)

@@ -5,7 +5,7 @@ drafters against the wall-clock hours their data and training took; one line per
         --variant "cpu-recipe=runs/train/smollm2-135m-cpu" --out runs/bench/recipe
 
 Each variant is a finished training run directory. Prints a table, writes X.json and X.png
-(tau vs hours), and logs both to MLflow (experiment recipe-bench). Logic: pipelines/recipe_bench.py.
+(tau vs hours), and logs both to MLflow (experiment recipe-bench). Logic: pipelines/train/recipe_bench.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, format_table,  # noqa: E402
+from pipelines.train.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, format_table,  # noqa: E402
                                     log_to_mlflow, run_recipe_bench, write)
 
 

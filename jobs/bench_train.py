@@ -1,4 +1,4 @@
-"""Training benchmarks (logic: pipelines/train_bench.py).
+"""Training benchmarks (logic: pipelines/train/bench.py).
 
     python jobs/bench_train.py throughput --workers 1,2 --out runs/bench/train_throughput.json
     python jobs/bench_train.py curve --run runs/train/smollm2-135m-dflash --out runs/bench/curve
@@ -43,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="runs/bench/curve")
     args = ap.parse_args(argv)
 
-    from pipelines import train_bench
+    from pipelines.train import bench as train_bench
+    from pipelines.train import curves
 
     if args.cmd == "curve":
-        paths = train_bench.write_learning_curve(train_bench.run_history(args.run), args.out,
-                                                 title=f"{Path(args.run).name}: held-out tau")
+        paths = curves.write_learning_curve(curves.run_history(args.run), args.out,
+                                            title=f"{Path(args.run).name}: held-out tau")
         print(json.dumps(paths, indent=1))
         return 0
 

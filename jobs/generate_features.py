@@ -1,4 +1,4 @@
-"""Generate target features into sharded object storage (logic: pipelines/features.py).
+"""Generate target features into sharded object storage (logic: pipelines/features/pipeline.py).
 
     ray job submit -- python jobs/generate_features.py --config configs/smollm2-135m.yaml
     python jobs/generate_features.py --config configs/smollm2-135m.yaml --set features.prompts.limit=64

@@ -1,4 +1,4 @@
-"""Train a DFlash drafter with Ray Train (logic: pipelines/train.py).
+"""Train a DFlash drafter with Ray Train (logic: pipelines/train/trainer.py).
 
     ray job submit --working-dir . -- python jobs/train_drafter.py --config configs/smollm2-135m.yaml
     python jobs/train_drafter.py --config configs/smollm2-135m.yaml --set train.max_steps=20 --set train.num_workers=2
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
 
     from pipelines.config import ConfigError
-    from pipelines.train_config import load_train_recipe
+    from pipelines.train.config import load_train_recipe
 
     try:
         recipe = load_train_recipe(args.config, args.set)

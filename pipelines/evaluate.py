@@ -17,15 +17,19 @@ checked again when loaded (``specdec.checkpoint.load_drafter(target=...)``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipelines import registry
 from pipelines.registry import CHAMPION, ModelState
 
 log = logging.getLogger(__name__)
+
+EVAL_TAG_PREFIX = "eval."  # version tags with the latest evaluation's summary
 
 
 class EvaluationError(RuntimeError):
@@ -231,3 +235,64 @@ def evaluate_versions(tracking_uri: str, state: ModelState, challenger: str, cha
     report = measure(target, candidates, prompts, prompt_ids, settings.max_new_tokens, settings.prompts,
                      batch_size=settings.batch_size, seed=settings.seed)
     return report, target
+
+
+# ============================================================================ the record
+def log_evaluation(tracking_uri: str, name: str, report: dict, evals: dict[str, Evaluation], settings: EvalSettings,
+                   decision: dict, workdir: Path, experiment: str, out_dir: str | None = None) -> str:
+    """The evaluation's MLflow run (metrics, benchmark JSON + PNG, the ``decision`` taken on
+    it: promote, reason, metric, margin) and each measured version's ``eval.*`` tags."""
+    from mlflow.entities import Metric, Param
+
+    from specdec.bench import write_report
+
+    uri = tracking_uri
+    ch = evals["challenger"]
+    champ = evals.get("champion")
+    run_name = f"eval-v{ch.version}" + (f"-vs-v{champ.version}" if champ else "-first")
+    tags = {"dflash.kind": "promotion-eval", "dflash.model_name": name, "dflash.challenger_version": ch.version,
+            "dflash.champion_version": champ.version if champ else "", "dflash.model_version": f"{name}/{ch.version}",
+            "dflash.target_identity": report["config"]["target_identity"], "dflash.decision":
+            "promote" if decision["promote"] else "refuse", "dflash.reason": decision["reason"][:5000],
+            "mlflow.note.content": f"{'PROMOTE' if decision['promote'] else 'REFUSE'}: {decision['reason']}"}
+    run_id = registry.call(uri, "creating the evaluation run", lambda: registry.start_run(
+        uri, experiment, run_name, tags=tags))
+    c = registry.client(uri)
+    now = int(time.time() * 1000)
+    metrics = [Metric("ar.tokens_per_s", ch.ar_tokens_per_s, now, 0)]
+    for role, e in evals.items():
+        vals = {"tau": e.tau, "speedup": e.speedup, "tokens_per_s": e.tokens_per_s, "exact": float(e.exact)}
+        metrics += [Metric(f"{role}.{k}", float(v), now, 0) for k, v in vals.items() if v is not None]
+        if role == "challenger":  # the version this run evaluates: plain names too
+            metrics += [Metric(k, float(v), now, 0) for k, v in vals.items() if v is not None]
+    params = {"prompts": settings.prompts, "num_prompts": report["config"]["num_prompts_used"],
+              "max_new_tokens": settings.max_new_tokens, "metric": decision["metric"], "margin": decision["margin"],
+              "batch_size": settings.batch_size, "target": report["config"]["target_id"],
+              "challenger_version": ch.version, "champion_version": champ.version if champ else "none",
+              "block_sizes": json.dumps({r["method"]: r["block_size"] for r in report["results"] if r["block_size"]})}
+    registry.call(uri, "logging the evaluation", lambda: c.log_batch(
+        run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()]))
+    out = workdir / "eval"
+    write_report(report, out / "benchmark.json")  # + benchmark.png
+    (out / "decision.json").write_text(json.dumps(
+        {"decision": decision, "evaluations": {k: asdict(v) for k, v in evals.items()}}, indent=2))
+    registry.call(uri, "uploading the benchmark JSON and plot", lambda: c.log_artifacts(run_id, str(out), "eval"))
+    if out_dir:
+        import shutil
+
+        shutil.copytree(out, out_dir, dirs_exist_ok=True)
+    for role, e in evals.items():
+        other = evals.get("challenger" if role == "champion" else "champion")
+        # one HTTP call per tag (MLflow has no batch call for version tags): keep the set small;
+        # the run holds everything else
+        vtags = {"tau": "-" if e.tau is None else f"{e.tau:.3f}", "speedup": f"{e.speedup:.4f}", "tokens_per_s": f"{e.tokens_per_s:.3f}",
+                 "exact": str(e.exact).lower(), "run_id": run_id, "prompts": settings.prompts,
+                 "num_prompts": str(report["config"]["num_prompts_used"]),
+                 "max_new_tokens": str(settings.max_new_tokens),
+                 "vs": f"v{other.version}" if other else "ar"}
+        registry.set_version_tags(uri, name, e.version, {EVAL_TAG_PREFIX + k: v for k, v in vtags.items()})
+    c.set_terminated(run_id, "FINISHED")
+    ch.run_id = run_id
+    if champ:
+        champ.run_id = run_id
+    return run_id

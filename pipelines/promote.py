@@ -42,23 +42,21 @@ list orchestration.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipelines import registry
-from pipelines.evaluate import (EvalSettings, Evaluation, EvaluationError, TargetMismatch,  # noqa: F401 - re-exported
-                                evaluate_versions, evaluations_from_report, short_identity)
+from pipelines.evaluate import (EVAL_TAG_PREFIX, EvalSettings, Evaluation, EvaluationError,  # noqa: F401
+                                TargetMismatch, evaluate_versions, evaluations_from_report, log_evaluation,
+                                short_identity)
 from pipelines.registry import CHAMPION, PREVIOUS, ModelState, read_model, resolve_version, set_aliases
 
 log = logging.getLogger(__name__)
 METRICS = ("speedup", "tau")
 DEFAULT_METRIC = "speedup"
 DEFAULT_MARGIN = 0.02  # relative: the challenger must be >= 2% better than the champion
-EVAL_TAG_PREFIX = "eval."
 DECISION_TAG_PREFIX = "promotion."
 
 
@@ -210,65 +208,6 @@ class Outcome:
         return d
 
 
-def log_evaluation(cfg: PromoteConfig, name: str, report: dict, evals: dict[str, Evaluation],
-                   decision: Decision, workdir: Path) -> str:
-    """The MLflow run (metrics, benchmark JSON + PNG, decision) and the version tags."""
-    from mlflow.entities import Metric, Param
-
-    from specdec.bench import write_report
-
-    uri = cfg.tracking_uri
-    ch = evals["challenger"]
-    champ = evals.get("champion")
-    run_name = f"eval-v{ch.version}" + (f"-vs-v{champ.version}" if champ else "-first")
-    tags = {"dflash.kind": "promotion-eval", "dflash.model_name": name, "dflash.challenger_version": ch.version,
-            "dflash.champion_version": champ.version if champ else "", "dflash.model_version": f"{name}/{ch.version}",
-            "dflash.target_identity": report["config"]["target_identity"], "dflash.decision":
-            "promote" if decision.promote else "refuse", "dflash.reason": decision.reason[:5000],
-            "mlflow.note.content": f"{'PROMOTE' if decision.promote else 'REFUSE'}: {decision.reason}"}
-    experiment = cfg.experiment or f"{name}-promotion"
-    run_id = registry.call(uri, "creating the evaluation run", lambda: registry.start_run(
-        uri, experiment, run_name, tags=tags))
-    c = registry.client(uri)
-    now = int(time.time() * 1000)
-    metrics = [Metric("ar.tokens_per_s", ch.ar_tokens_per_s, now, 0)]
-    for role, e in evals.items():
-        vals = {"tau": e.tau, "speedup": e.speedup, "tokens_per_s": e.tokens_per_s, "exact": float(e.exact)}
-        metrics += [Metric(f"{role}.{k}", float(v), now, 0) for k, v in vals.items() if v is not None]
-        if role == "challenger":  # the version this run evaluates: plain names too
-            metrics += [Metric(k, float(v), now, 0) for k, v in vals.items() if v is not None]
-    params = {"prompts": cfg.prompts, "num_prompts": report["config"]["num_prompts_used"],
-              "max_new_tokens": cfg.max_new_tokens, "metric": cfg.metric, "margin": cfg.margin,
-              "batch_size": cfg.batch_size, "target": report["config"]["target_id"],
-              "challenger_version": ch.version, "champion_version": champ.version if champ else "none",
-              "block_sizes": json.dumps({r["method"]: r["block_size"] for r in report["results"] if r["block_size"]})}
-    registry.call(uri, "logging the evaluation", lambda: c.log_batch(
-        run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()]))
-    out = workdir / "eval"
-    write_report(report, out / "benchmark.json")  # + benchmark.png
-    (out / "decision.json").write_text(json.dumps(
-        {"decision": asdict(decision), "evaluations": {k: asdict(v) for k, v in evals.items()}}, indent=2))
-    registry.call(uri, "uploading the benchmark JSON and plot", lambda: c.log_artifacts(run_id, str(out), "eval"))
-    if cfg.out:
-        import shutil
-
-        shutil.copytree(out, cfg.out, dirs_exist_ok=True)
-    for role, e in evals.items():
-        other = evals.get("challenger" if role == "champion" else "champion")
-        # one HTTP call per tag (MLflow has no batch call for version tags): keep the set small;
-        # the run holds everything else
-        vtags = {"tau": _fmt(e.tau), "speedup": f"{e.speedup:.4f}", "tokens_per_s": f"{e.tokens_per_s:.3f}",
-                 "exact": str(e.exact).lower(), "run_id": run_id, "prompts": cfg.prompts,
-                 "num_prompts": str(report["config"]["num_prompts_used"]), "max_new_tokens": str(cfg.max_new_tokens),
-                 "vs": f"v{other.version}" if other else "ar"}
-        registry.set_version_tags(uri, name, e.version, {EVAL_TAG_PREFIX + k: v for k, v in vtags.items()})
-    c.set_terminated(run_id, "FINISHED")
-    ch.run_id = run_id
-    if champ:
-        champ.run_id = run_id
-    return run_id
-
-
 def _tag_decision(uri: str, name: str, version: str, decision: Decision, result: str) -> None:
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     tags = {"decision": result, "reason": decision.reason[:5000], "time": when}
@@ -300,7 +239,8 @@ def promote(cfg: PromoteConfig) -> Outcome:
             raise
         evals = evaluations_from_report(report)
         decision = decide(evals["challenger"], evals.get("champion"), cfg.metric, cfg.margin)
-        run_id = log_evaluation(cfg, name, report, evals, decision, Path(tmp))
+        run_id = log_evaluation(uri, name, report, evals, cfg.settings, asdict(decision), Path(tmp),
+                                cfg.experiment or f"{name}-promotion", cfg.out)
 
     promoted = False
     if decision.promote and not cfg.dry_run:
@@ -439,56 +379,3 @@ def format_evaluation(outcome: Outcome) -> str:
                      + (f", @{PREVIOUS} -> v{outcome.champion_before}" if outcome.champion_before else ""))
     lines.append(f"evaluation run: {outcome.run_id} (experiment {outcome.experiment})")
     return "\n".join(lines)
-
-
-# ============================================================================ the packaged reference drafter
-def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts: str = "sharegpt",
-                      num_prompts: int = 8, max_new_tokens: int = 64, margin: float = DEFAULT_MARGIN,
-                      command: str = "", target=None, root: str | Path | None = None,
-                      block_size: int | None = None) -> tuple[Decision, dict]:
-    """Replace the reference drafter shipped in ``specdec/drafters/<slug>`` by ``candidate``
-    only when it wins: the promotion harness measures it side by side with the current
-    reference (or, with none yet, with the target alone) and the promotion rule decides.
-    The winner is written in fp16 (the published layout) with its numbers in the lineage.
-    ``block_size`` None: each drafter's own; else the block both are measured at, and the
-    published config's ``block_size`` (the training block stays in the lineage).
-    ``target``/``root``: another target and folder of reference drafters (tests)."""
-    import shutil
-
-    import torch
-
-    from pipelines.evaluate import Candidate, measure
-    from specdec.assets import REFERENCE_DRAFTERS, reference_drafter
-    from specdec.bench import load_prompt_ids
-    from specdec.checkpoint import load_drafter, save_drafter
-    from specdec.target import load_target
-
-    target = target or load_target(None)
-    root = Path(root) if root is not None else REFERENCE_DRAFTERS
-    current = reference_drafter(slug, root)
-    candidates = []
-    for role, path in (("champion", current), ("challenger", Path(candidate))):
-        if path is not None:
-            d = load_drafter(path, target=target)
-            candidates.append(Candidate(f"dflash:{'reference' if role == 'champion' else 'candidate'}", role,
-                                        "reference" if role == "champion" else "candidate", d,
-                                        block_size or d.config.block_size))
-    prompt_ids, ps = load_prompt_ids(target, prompts, num_prompts)
-    report = measure(target, candidates, ps, prompt_ids, max_new_tokens, prompts)
-    evals = evaluations_from_report(report)
-    decision = decide(evals["challenger"], evals.get("champion"), "speedup", margin)
-    if decision.promote:
-        drafter = candidates[-1].drafter
-        drafter.config.block_size = candidates[-1].block_size  # the block it was measured (and serves) at
-        ch = evals["challenger"]
-        drafter.config.extra["reference"] = {
-            "prompts": prompts, "num_prompts": len(ps), "max_new_tokens": max_new_tokens, "tau": ch.tau,
-            "speedup_vs_ar": ch.speedup, "ar_tokens_per_s": ch.ar_tokens_per_s, "exact": ch.exact,
-            "published_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "command": command}
-        dst = root / slug
-        tmp = dst.with_name(f".{slug}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(drafter, tmp, dtype=torch.float16)
-        shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
-    return decision, report

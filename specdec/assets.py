@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 
@@ -39,6 +40,19 @@ def humaneval_jsonl() -> Path:
 REFERENCE_DRAFTERS = Path(__file__).parent / "drafters"
 
 
+EMBEDDED_NAMES = (None, "", "smollm2", "smollm2-135m", "default")
+
+
+def target_slug(model: str | None) -> str:
+    """A short name for a target: ``Qwen/Qwen3-8B`` -> ``qwen3-8b``; the embedded default
+    is ``smollm2-135m``. Training registers ``dflash-<slug>``; serving serves ``<slug>``."""
+    if model in EMBEDDED_NAMES:
+        return "smollm2-135m"
+    name = Path(str(model).rstrip("/")).name
+    name = re.sub(r"\.gguf$", "", name, flags=re.I)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "target"
+
+
 def reference_drafter(slug: str = "smollm2-135m", root: Path | None = None) -> Path | None:
     """The reference drafter trained by this project for an embedded target, if shipped
     (``specdec/drafters/<slug>/``; how it was trained is in its config lineage)."""
@@ -49,8 +63,6 @@ def reference_drafter(slug: str = "smollm2-135m", root: Path | None = None) -> P
 def reference_drafter_for(target: str | None) -> Path | None:
     """The shipped reference drafter of ``target`` when it is an embedded default (a
     user's own model gets none: we cannot know it fits)."""
-    from specdec.target import EMBEDDED_NAMES, target_slug
-
     return reference_drafter(target_slug(target)) if target in EMBEDDED_NAMES else None
 
 

@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from specdec import assets
+from specdec.assets import EMBEDDED_NAMES, target_slug  # noqa: F401 - re-exported
 
 #: model_type values whose input embedding is multiplied by sqrt(hidden) inside the model.
 _SCALED_EMBEDDING = {"gemma", "gemma2", "gemma3", "gemma3_text"}
@@ -260,19 +260,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-EMBEDDED_NAMES = (None, "", "smollm2", "smollm2-135m", "default")
-
-
-def target_slug(model: str | None) -> str:
-    """A short name for a target: ``Qwen/Qwen3-8B`` -> ``qwen3-8b``; the embedded default
-    is ``smollm2-135m``. Training registers ``dflash-<slug>``; serving serves ``<slug>``."""
-    if model in EMBEDDED_NAMES:
-        return "smollm2-135m"
-    name = Path(str(model).rstrip("/")).name
-    name = re.sub(r"\.gguf$", "", name, flags=re.I)
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "target"
 
 
 def resolve_target_path(name_or_path: str | None) -> str:

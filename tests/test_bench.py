@@ -153,8 +153,8 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     tau and exactness from the real engine, one row per kept checkpoint, table + JSON + PNG."""
     import shutil
 
-    from pipelines.recipe_bench import RecipeBenchConfig, RecipeBenchError, Variant, format_table, run_recipe_bench
-    from pipelines.recipe_bench import write as write_recipe
+    from pipelines.train.recipe_bench import RecipeBenchConfig, RecipeBenchError, Variant, format_table, run_recipe_bench
+    from pipelines.train.recipe_bench import write as write_recipe
 
     feats = tmp_path / "features"
     feats.mkdir()

@@ -225,7 +225,7 @@ def test_rayjob_entrypoints_exist(fname):
         cfg = load_features_config(config, sets)
         assert cfg.output.startswith("s3://") and cfg.generation.num_gpus >= 1
     elif rel == "jobs/train_drafter.py":
-        from pipelines.train_config import load_train_recipe
+        from pipelines.train.config import load_train_recipe
 
         recipe = load_train_recipe(config, sets)
         assert recipe.train.storage_path.startswith("s3://") and recipe.features_uri.startswith("s3://")

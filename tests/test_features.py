@@ -23,7 +23,7 @@ import yaml
 
 from pipelines import storage
 from pipelines.config import ConfigError, load_features_config
-from pipelines.feature_format import FeatureLayout, ManifestMismatchError, expected_for
+from pipelines.features.format import FeatureLayout, ManifestMismatchError, expected_for
 from pipelines.features import load_manifest, read_features, run_features, verify_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ def test_dataset_answers_are_teacher_forced_without_generation(ray_address, work
     """generation.backend dataset: prompt + the dataset's own answer (capped, ended by the
     end-of-turn token), features from one target pass; prompts without an answer or over
     the cap are skipped and counted; skip starts after the first N prompts."""
-    from pipelines.feature_workers import answer_tokens
+    from pipelines.features.workers import answer_tokens
 
     rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
                                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * (1 + i % 3)}]}

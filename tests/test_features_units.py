@@ -13,7 +13,7 @@ import yaml
 
 from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig, load_features_config, parse_section
-from pipelines.feature_format import (FeatureLayout, ManifestMismatchError, check_manifest, dequantize_int8,
+from pipelines.features.format import (FeatureLayout, ManifestMismatchError, check_manifest, dequantize_int8,
                                       quantize_int8)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_plan_is_deterministic_with_unique_ids(tmp_path):
 
 # ---------------------------------------------------------------------------- vllm backend (config only)
 def test_vllm_processor_config_without_importing_vllm():
-    from pipelines.feature_workers import assemble_shard, vllm_postprocess, vllm_processor_config, vllm_sampling_params
+    from pipelines.features.workers import assemble_shard, vllm_postprocess, vllm_processor_config, vllm_sampling_params
 
     cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {
         "backend": "vllm", "num_gpus": 1, "batch_size": 64, "actors": 2, "temperature": 0.6, "top_k": 20,
@@ -231,7 +231,7 @@ def test_layers_are_checked_before_any_ray_work(tiny_dir):
 def test_thinking_switch_only_where_the_template_has_one(caplog):
     from transformers import AutoTokenizer
 
-    from pipelines.feature_workers import PromptEncoder
+    from pipelines.features.workers import PromptEncoder
     from specdec.target import resolve_target_path
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path(None))
@@ -250,7 +250,7 @@ def test_shard_writer_overlapped_io_writes_the_same_bytes(tiny_dir, tmp_path):
     """The GPU path (writes on a background thread) and the CPU path (inline) agree."""
     import pyarrow.parquet as pq
 
-    from pipelines.feature_workers import ShardWriter
+    from pipelines.features.workers import ShardWriter
     from specdec.target import load_target
 
     target = load_target(str(tiny_dir))

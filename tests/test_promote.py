@@ -29,6 +29,7 @@ import torch
 
 from pipelines import evaluate as E
 from pipelines import promote as P
+from pipelines import reference as R
 from pipelines import registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -472,13 +473,13 @@ def test_publish_reference_replaces_only_a_winner(target, work, prompts, monkeyp
                                        target_layer_ids=LAYERS), work / "cand-random")
     fast = save_drafter(copy_anchor_drafter(target), work / "cand-copy")
     kw = dict(prompts=prompts, num_prompts=3, max_new_tokens=32, target=target, root=root, block_size=2)
-    decision, report = P.publish_reference(slow, "cyclic", **kw)
+    decision, report = R.publish_reference(slow, "cyclic", **kw)
     assert not decision.promote and "not faster than the target alone" in decision.reason
     assert not (root / "cyclic").exists() and report["exactness"]["equal"]["dflash:candidate"]
 
     with monkeypatch.context() as m:  # given numbers: a real win over AR is timing noise on a tiny target
         m.setattr(E, "measure", fake_measure({"candidate": 1.5}))
-        decision, report = P.publish_reference(fast, "cyclic", command="python train.py", **kw)
+        decision, report = R.publish_reference(fast, "cyclic", command="python train.py", **kw)
     assert decision.promote, decision.reason
     d = load_drafter(root / "cyclic", target=target)
     ref = d.config.extra["reference"]
@@ -488,7 +489,7 @@ def test_publish_reference_replaces_only_a_winner(target, work, prompts, monkeyp
     assert ref["command"] == "python train.py"
 
     # now the bar is the published reference: a slower drafter leaves it in place
-    decision, report = P.publish_reference(slow, "cyclic", **kw)
+    decision, report = R.publish_reference(slow, "cyclic", **kw)
     assert not decision.promote and "not better by the margin" in decision.reason
     assert [r["method"] for r in report["results"]] == ["ar", "dflash:reference", "dflash:candidate"]
     assert load_drafter(root / "cyclic").config.extra["reference"]["tau"] == ref["tau"]

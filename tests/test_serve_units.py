@@ -345,7 +345,7 @@ def test_config_defaults_builder_args_and_yaml():
     cli = load_config({"block_size": "8", "max_replicas": "4", "drafter": "none"})
     assert cli.block_size == 8 and cli.max_replicas == 4 and cli.drafter is None and not cli.speculation_requested
     # the auto drafter is what the training job registers for the same target (dflash-<slug>)
-    from pipelines.train_config import parse_recipe
+    from pipelines.train.config import parse_recipe
 
     hub = load_config({"target": "Qwen/Qwen3-8B"})
     recipe = parse_recipe({"features": {"output": "runs/f", "target": {"model": "Qwen/Qwen3-8B"}},

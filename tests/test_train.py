@@ -22,9 +22,9 @@ import torch
 import yaml
 
 from pipelines.config import ConfigError
-from pipelines.train_config import load_train_recipe, parse_recipe
+from pipelines.train.config import load_train_recipe, parse_recipe
 from specdec.target import target_slug
-from pipelines.train_data import holdout_mask
+from pipelines.train.data import holdout_mask
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2]
@@ -152,8 +152,8 @@ def test_lr_schedule_warms_up_then_follows_a_cosine():
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_collate_pads_cuts_and_decodes_stored_rows(dtype):
-    from pipelines.feature_format import FeatureLayout
-    from pipelines.train_data import Collate
+    from pipelines.features.format import FeatureLayout
+    from pipelines.train.data import Collate
 
     layout = FeatureLayout(dtype, (1, 2), 8)
     g = torch.Generator().manual_seed(0)

@@ -120,7 +120,7 @@ class Collate:
     ``max_length``; features decoded from their stored bytes to ``dtype``)."""
 
     def __init__(self, layout: dict | None, max_length: int, dtype: torch.dtype = torch.float32):
-        from pipelines.feature_format import FeatureLayout
+        from pipelines.features.format import FeatureLayout
 
         self.layout = (FeatureLayout(layout["dtype"], tuple(layout["layer_ids"]), layout["hidden_size"])
                        if layout else None)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipelines import storage
 from specdec.checkpoint import save_drafter
 from specdec.draft_vocab import DraftHead
 from specdec.drafter import DFlashDrafter
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 DRAFTER_DIR = "drafter"
+CHECKPOINT_PREFIX = "checkpoint-step"  # + the step, 8 digits: one folder per kept checkpoint
 
 
 @dataclass
@@ -291,3 +293,19 @@ def make_runner(strategy: str, module: DrafterLoss, device: torch.device, bf16: 
     if strategy == "deepspeed":
         return DeepSpeedRunner(module, device, bf16, grad_clip, lr, weight_decay, zero_stage, micro_batch)
     return DDPRunner(module, device, bf16, grad_clip, lr, weight_decay)
+
+
+# ---------------------------------------------------------------------------- checkpoints on storage
+def latest_checkpoint_state(run_uri: str, options: dict) -> tuple[TrainState | None, dict | None]:
+    """The newest checkpoint of a run that already exists: (its state, its drafter config)."""
+    fs, root = storage.filesystem(run_uri, options)
+    names = [p for p in storage.list_files(fs, root) if Path(p).name.startswith(CHECKPOINT_PREFIX)]
+    for path in sorted(names, reverse=True):
+        try:
+            state = json.loads(fs.cat_file(storage.join(path, "state.json")))
+            cfg = json.loads(fs.cat_file(storage.join(path, DRAFTER_DIR, "config.json")))
+        except FileNotFoundError:
+            continue  # a checkpoint being written or deleted
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        return TrainState(**{k: v for k, v in state.items() if k in known}), cfg
+    return None, None

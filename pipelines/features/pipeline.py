@@ -1,7 +1,7 @@
 """Ray Data feature pipeline: prompts -> target regenerations -> teacher-forced hidden
 states of the selected layers -> sharded Parquet in object storage, plus ``manifest.json``.
 
-Public API (the file format is documented in :mod:`pipelines.feature_format`):
+Public API (the file format is documented in :mod:`pipelines.features.format`):
 
 * :func:`run_features` (cfg) -> summary: runs or resumes a run, writes the manifest last.
 * :func:`verify_features` (uri) -> :class:`VerifyReport`: re-checks counts and checksums.
@@ -43,8 +43,8 @@ import torch
 
 from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig
-from pipelines.feature_format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
-from pipelines.feature_workers import (DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate,
+from pipelines.features.format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
+from pipelines.features.workers import (DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate,
                                        regenerate_vllm, resolve_layer_ids)
 
 log = logging.getLogger(__name__)
@@ -450,9 +450,9 @@ def read_features(uri: str, *, target_identity: str | None = None, layer_ids: li
                   hidden_size: int | None = None, tokenizer_hash: str | None = None,
                   storage_options: dict | None = None, verify_checksums: bool = True):
     """A ``ray.data.Dataset`` of the rows of a committed run (schema in
-    :mod:`pipelines.feature_format`; decode with ``FeatureLayout.from_manifest(m).decode_row``).
+    :mod:`pipelines.features.format`; decode with ``FeatureLayout.from_manifest(m).decode_row``).
 
-    Raises :class:`~pipelines.feature_format.ManifestMismatchError` naming the manifest
+    Raises :class:`~pipelines.features.format.ManifestMismatchError` naming the manifest
     field that differs from the expected target identity, layer ids, hidden size or
     tokenizer (None: not checked; ``feature_format.expected_for(target, layer_ids)``
     gives all four). With ``verify_checksums`` every shard is checked against its size
@@ -489,7 +489,7 @@ def response_token_counts(uri: str, storage_options: dict | None, vocab_size: in
                           holdout_fraction: float = 0.0) -> torch.Tensor:
     """Response-token frequencies (V,) of a committed run, reading only the token columns
     of each shard; rows held out by ``holdout_fraction`` (by id hash) are left out."""
-    from pipelines.train_data import holdout_mask
+    from pipelines.train.data import holdout_mask
     from specdec.draft_vocab import count_tokens
 
     uri = storage.absolute_uri(uri)

@@ -33,7 +33,7 @@ import torch
 
 from pipelines import storage
 from pipelines.config import ConfigError
-from pipelines.feature_format import FeatureLayout, shard_schema, tokenizer_fingerprint
+from pipelines.features.format import FeatureLayout, shard_schema, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.feature_workers import ExtractFeatures, ShardWriter, resolve_layer_ids
+from pipelines.features.workers import ExtractFeatures, ShardWriter, resolve_layer_ids
 
 TARGET = {"model": "smollm2", "dtype": "float32", "trust_remote_code": False}
 

@@ -32,13 +32,14 @@ import torch
 
 from pipelines import registry, storage
 from pipelines.config import ConfigError
-from pipelines.train_config import TrainRecipe, TrainSection
-from pipelines.train_data import Collate, manifest_sha256, read_sequences, split_holdout
-from pipelines.train_runner import DRAFTER_DIR, DrafterLoss, TrainState, make_runner
+from pipelines.train.config import TrainRecipe, TrainSection
+from pipelines.train.faults import FaultInjector
+from pipelines.train.data import Collate, manifest_sha256, read_sequences, split_holdout
+from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, DrafterLoss, TrainState,  # noqa: F401
+                                     latest_checkpoint_state, make_runner)
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-step"
 #: environment the driver forwards to its workers: the model cache, knobs, test fault injection
 FORWARDED_ENV = ("DFLASH_CACHE", "DFLASH_DEEPSPEED_SHM", "DFLASH_FAIL_AT_STEP", "DFLASH_FAIL_MARKER", "HF_HUB_OFFLINE")
 
@@ -101,7 +102,7 @@ def train_loop_per_worker(config: dict) -> None:
     mlflow = config["mlflow"]
     live = rank == 0 and mlflow["live"]
     metrics_log = registry.MetricsLogger(mlflow["tracking_uri"] if live else None, mlflow["run_id"])
-    fail_at = int(os.environ.get("DFLASH_FAIL_AT_STEP", "0") or 0)
+    faults = FaultInjector.from_env(rank)
     window = _Window(drafter.config.block_size)
     generator = torch.Generator(device=device)
 
@@ -167,8 +168,7 @@ def train_loop_per_worker(config: dict) -> None:
                              "%.0f block tok/s", state.step, stats["epoch"], stats["train_loss"], stats["train_tau"],
                              stats["train_acc_1"], lr, stats["block_tokens_per_s"])
                     metrics_log.log(stats, state.step)
-            if fail_at and state.step == fail_at and rank == 0:
-                _inject_failure()
+            faults.after_step(state.step)
             if tc.eval_every and state.step % tc.eval_every == 0:
                 if evaluate_and_report(with_checkpoint=True):
                     stop = True
@@ -203,16 +203,6 @@ def _load_worker_target(spec: dict, online: bool, device: torch.device, compute_
 def _step_seed(seed: int, rank: int, step: int) -> int:
     """Anchors of a step depend on (seed, rank, step) only: a resumed run draws the same."""
     return (seed * 1_000_003 + rank * 7_919 + step * 104_729) % (2**63 - 1)
-
-
-def _inject_failure() -> None:
-    """Test hook: die once at ``$DFLASH_FAIL_AT_STEP``, as a killed worker would. The
-    marker file makes the restarted worker live on."""
-    marker = os.environ.get("DFLASH_FAIL_MARKER")
-    if marker and not os.path.exists(marker):
-        Path(marker).write_text(str(os.getpid()))
-        log.warning("[train] DFLASH_FAIL_AT_STEP reached: worker %d exits", os.getpid())
-        os._exit(1)
 
 
 def _save_and_report(runner, state: TrainState, rank: int, metrics: dict) -> None:
@@ -402,7 +392,7 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     starts: the target, its feature run, the drafter shape against an existing run."""
     import ray
 
-    from pipelines.feature_format import FeatureLayout, tokenizer_fingerprint
+    from pipelines.features.format import FeatureLayout, tokenizer_fingerprint
     from pipelines.features import load_manifest
     from specdec.drafter import DFlashDrafter, drafter_config_for_target, init_from_target
     from specdec.target import load_target
@@ -427,7 +417,7 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                                     target_layer_ids=layer_ids, mask_token_id=dc.mask_token_id,
                                     intermediate_size=dc.intermediate_size)
     run_uri = storage.join(storage.absolute_uri(tc.storage_path), tc.run_name)
-    resume, resume_cfg = _latest_checkpoint_state(run_uri, tc.storage_options)
+    resume, resume_cfg = latest_checkpoint_state(run_uri, tc.storage_options)
     if resume_cfg is not None:
         _check_same_drafter(resume_cfg, cfg, tc.run_name, run_uri)
     torch.manual_seed(tc.seed)
@@ -578,23 +568,6 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manife
     return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows)
 
 
-def _latest_checkpoint_state(run_uri: str, options: dict) -> tuple[TrainState | None, dict | None]:
-    """The newest checkpoint of a run that already exists: (its state, its drafter config)."""
-    import json
-
-    fs, root = storage.filesystem(run_uri, options)
-    names = [p for p in storage.list_files(fs, root) if Path(p).name.startswith(CHECKPOINT_PREFIX)]
-    for path in sorted(names, reverse=True):
-        try:
-            state = json.loads(fs.cat_file(storage.join(path, "state.json")))
-            cfg = json.loads(fs.cat_file(storage.join(path, DRAFTER_DIR, "config.json")))
-        except FileNotFoundError:
-            continue  # a checkpoint being written or deleted
-        known = {f.name for f in dataclasses.fields(TrainState)}
-        return TrainState(**{k: v for k, v in state.items() if k in known}), cfg
-    return None, None
-
-
 def _check_same_drafter(saved: dict, cfg, run_name: str, run_uri: str) -> None:
     """A resumed run must train the same drafter shape; name the first field that differs."""
     now = cfg.to_hf_dict()
@@ -668,7 +641,7 @@ def _single_node() -> bool:
 
 def _finish(recipe: TrainRecipe, plan: _Plan, result, seconds: float) -> FitResult:
     """Export the best checkpoint, log it and the learning curve, register a version."""
-    from pipelines.train_bench import write_learning_curve
+    from pipelines.train.curves import write_learning_curve
     from specdec.checkpoint import load_drafter, save_drafter
 
     tc = recipe.train

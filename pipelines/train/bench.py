@@ -1,6 +1,6 @@
 """Training benchmarks: throughput of the real training loop with 1..N Ray Train workers on
 synthetic rows in a recipe's shapes, the time an epoch of that recipe takes at that rate,
-and learning curves (held-out tau against training samples) of finished runs.
+(learning curves of finished runs: pipelines/train/curves.py).
 
 Throughput runs the production ``train_loop_per_worker`` (collate, DDP, AdamW, the DFlash
 loss with the target's real embedding and LM head) on rows in the stored format, so the
@@ -14,51 +14,6 @@ import json
 import time
 from pathlib import Path
 
-
-
-# ---------------------------------------------------------------------------- learning curves
-def write_learning_curve(history: list[dict], out_dir: str | Path, title: str = "held-out tau") -> dict:
-    """``learning_curve.json`` (one point per evaluation) and ``learning_curve.png``
-    (held-out and training tau against training samples) in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    keys = ("step", "epoch", "samples", "holdout_tau", "holdout_loss", "holdout_acc", "train_tau", "train_loss",
-            "block_tokens_per_s", "train_seconds")
-    points = [{k: rec.get(k) for k in keys} for rec in history]
-    (out / "learning_curve.json").write_text(json.dumps({"title": title, "points": points}, indent=1))
-    paths = {"json": str(out / "learning_curve.json")}
-    if points:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-        xs = [p["samples"] for p in points]
-        ax.plot(xs, [p["holdout_tau"] for p in points], "o-", label="held-out tau")
-        train = [(p["samples"], p["train_tau"]) for p in points if p.get("train_tau") is not None]
-        if train:
-            ax.plot(*zip(*train), "s--", alpha=0.6, label="training tau (since previous eval)")
-        ax.set_xlabel("training samples")
-        ax.set_ylabel("tau (accepted tokens / cycle)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "learning_curve.png")
-        plt.close(fig)
-        paths["png"] = str(out / "learning_curve.png")
-    return paths
-
-
-def run_history(run_uri: str, storage_options: dict | None = None) -> list[dict]:
-    """The evaluation history of a run, from its newest checkpoint."""
-    from pipelines.train import _latest_checkpoint_state
-
-    state, _ = _latest_checkpoint_state(run_uri, storage_options or {})
-    if state is None:
-        raise FileNotFoundError(f"no checkpoint under {run_uri}")
-    return state.history
 
 
 # ---------------------------------------------------------------------------- throughput
@@ -85,7 +40,7 @@ def synthetic_rows(n: int, hidden: int, layer_ids, prompt: int, response: int, v
     """Rows in the stored feature format (float16 features) with random content."""
     import torch
 
-    from pipelines.feature_format import FeatureLayout
+    from pipelines.features.format import FeatureLayout
 
     layout = FeatureLayout("float16", tuple(layer_ids), hidden)
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +64,7 @@ def measure_throughput(cfg: ThroughputConfig, storage_path: str) -> dict:
     from ray.train.torch import TorchTrainer
 
     from pipelines.train import train_loop_per_worker
-    from pipelines.train_config import TrainSection
+    from pipelines.train.config import TrainSection
     from specdec.drafter import DFlashDrafter, drafter_config_for_target
     from specdec.frozen import load_embed_and_head
 
