@@ -9,6 +9,7 @@ name the offending key by its full path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
 PROBABILITY = (lambda v: 0 < v <= 1, "in (0, 1]")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")  # exponent floats YAML leaves as strings
 
 
 def option(default: Any = dataclasses.MISSING, *, check: tuple | None = None, factory: Any = None):
@@ -98,6 +100,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected int, got {_show(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected number, got {_show(value)}")
         return float(value)

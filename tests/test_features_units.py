@@ -63,6 +63,11 @@ def test_missing_section_and_overrides(tmp_path):
     write_recipe(recipe, {"output": "x"})
     cfg = load_features_config(recipe, ["features.prompts.limit=7", "features.storage.dtype=int8"])
     assert (cfg.prompts.limit, cfg.storage.dtype) == (7, "int8")
+    # YAML 1.1 reads 3e-1 (no dot) as a string; a number field takes it as the number it is
+    cfg = load_features_config(recipe, ["features.generation.top_p=3e-1"])
+    assert cfg.generation.top_p == 0.3
+    with pytest.raises(ConfigError, match="features.generation.top_p: expected number, got 'e-1'"):
+        load_features_config(recipe, ["features.generation.top_p=e-1"])
 
 
 def test_content_ignores_resources_but_not_generation():
