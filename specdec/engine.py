@@ -192,7 +192,7 @@ class Engine:
         if n == 0:
             raise ValueError("empty prompt")
         if n >= self.target.max_positions:
-            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.target.max_positions}")
+            raise ValueError(f"prompt of {n} tokens exceeds the context length {self.target.max_positions}")
 
     def step(self, block_size: int | None = None) -> list[Result]:
         """One draft/verify cycle for every live row; returns rows that finished."""
