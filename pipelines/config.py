@@ -29,7 +29,14 @@ POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
 PROBABILITY = (lambda v: 0 < v <= 1, "in (0, 1]")
-_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")  # exponent floats YAML leaves as strings
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3e-4`` (an exponent without a dot) as a string; recipes mean a number."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
 
 
 def option(default: Any = dataclasses.MISSING, *, check: tuple | None = None, factory: Any = None):
@@ -100,8 +107,6 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected int, got {_show(value)}")
         return value
     if tp is float:
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected number, got {_show(value)}")
         return float(value)
@@ -128,7 +133,7 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = yaml.load(path.read_text(), Loader=_Loader) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return data
@@ -146,7 +151,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = yaml.load(raw, Loader=_Loader)
     return data
 
 

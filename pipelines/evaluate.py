@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -186,15 +185,13 @@ class EvalSettings:
 
 def load_target_for(ref: str | None, dtype: str, from_flag: bool):
     """The target named by ``--target`` (``from_flag``) or the lineage; errors name which."""
-    from specdec.target import load_target
+    from specdec.bench import BenchError, load_target_checked
 
-    if ref and (ref.startswith((".", "/", "~")) or os.sep in ref) and not Path(ref).expanduser().exists():
-        where = "--target" if from_flag else "the lineage tag target_model"
-        raise EvaluationError(f"target not found: {ref} (from {where}; pass --target PATH)")
     try:
-        return load_target(ref, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise EvaluationError(f"cannot load target {ref!r}: {str(e).splitlines()[0]}") from None
+        return load_target_checked(ref, dtype)
+    except BenchError as e:
+        where = "--target" if from_flag else "the lineage tag target_model"
+        raise EvaluationError(f"{e} (from {where}; pass --target PATH)") from None
 
 
 def evaluate_versions(tracking_uri: str, state: ModelState, challenger: str, champion: str | None,

@@ -221,6 +221,7 @@ def promote(cfg: PromoteConfig) -> Outcome:
     this returns with ``promoted=True``."""
     cfg.tracking_uri = registry.resolve_tracking_uri(cfg.tracking_uri)
     uri, name = cfg.tracking_uri, cfg.model_name
+    experiment = cfg.experiment or f"{name}-promotion"
     registry.check_reachable(uri)
     state = read_model(uri, name)
     challenger = resolve_version(state, cfg.challenger)
@@ -240,7 +241,7 @@ def promote(cfg: PromoteConfig) -> Outcome:
         evals = evaluations_from_report(report)
         decision = decide(evals["challenger"], evals.get("champion"), cfg.metric, cfg.margin)
         run_id = log_evaluation(uri, name, report, evals, cfg.settings, asdict(decision), Path(tmp),
-                                cfg.experiment or f"{name}-promotion", cfg.out)
+                                experiment, cfg.out)
 
     promoted = False
     if decision.promote and not cfg.dry_run:
@@ -260,7 +261,7 @@ def promote(cfg: PromoteConfig) -> Outcome:
     outcome = Outcome(model=name, tracking_uri=uri, challenger=challenger, champion_before=champion,
                       previous_before=state.previous, decision=decision, evaluations=evals, run_id=run_id,
                       report=report, promoted=promoted, dry_run=cfg.dry_run, aliases_after=after,
-                      experiment=cfg.experiment or f"{name}-promotion")
+                      experiment=experiment)
     if not decision.promote:
         raise RefusedWithOutcome(decision.reason, outcome)
     return outcome

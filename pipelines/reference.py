@@ -36,12 +36,10 @@ def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts
     root = Path(root) if root is not None else REFERENCE_DRAFTERS
     current = reference_drafter(slug, root)
     candidates = []
-    for role, path in (("champion", current), ("challenger", Path(candidate))):
+    for role, name, path in (("champion", "reference", current), ("challenger", "candidate", Path(candidate))):
         if path is not None:
             d = load_drafter(path, target=target)
-            candidates.append(Candidate(f"dflash:{'reference' if role == 'champion' else 'candidate'}", role,
-                                        "reference" if role == "champion" else "candidate", d,
-                                        block_size or d.config.block_size))
+            candidates.append(Candidate(f"dflash:{name}", role, name, d, block_size or d.config.block_size))
     prompt_ids, ps = load_prompt_ids(target, prompts, num_prompts)
     report = evaluate.measure(target, candidates, ps, prompt_ids, max_new_tokens, prompts)
     evals = evaluations_from_report(report)

@@ -29,8 +29,8 @@ class DrafterSource:
 
     def __init__(self, source: str, tracking_uri: str | None = None):
         self.source = source
-        self.tracking_uri = registry.resolve_tracking_uri(tracking_uri) if is_registry_uri(source) else tracking_uri
         self.registry = is_registry_uri(source)
+        self.tracking_uri = registry.resolve_tracking_uri(tracking_uri) if self.registry else tracking_uri
         if self.registry:
             self.name, self.alias, self.version = parse_models_uri(source)
 

@@ -120,14 +120,15 @@ def load_drafter_for(path: str | os.PathLike, target: Target):
         raise BenchError(f"cannot use drafter {path}: {e}") from None
 
 
-def load_target_checked(name_or_path: str | None) -> Target:
+def load_target_checked(name_or_path: str | None, dtype: str = "float32") -> Target:
+    """Load a target; a missing local path or a failed load becomes a one-line ``BenchError``."""
     from specdec.target import load_target
 
     if name_or_path and (name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path) \
             and not Path(name_or_path).expanduser().exists():
         raise BenchError(f"target not found: {name_or_path}")
     try:
-        return load_target(name_or_path)
+        return load_target(name_or_path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise BenchError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]}") from None
 

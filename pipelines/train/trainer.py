@@ -35,7 +35,7 @@ from pipelines.config import ConfigError
 from pipelines.train.config import TrainRecipe, TrainSection
 from pipelines.train.faults import FaultInjector
 from pipelines.train.data import Collate, manifest_sha256, read_sequences, split_holdout
-from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, DrafterLoss, TrainState,  # noqa: F401
+from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, DrafterLoss, TrainState,
                                      latest_checkpoint_state, make_runner)
 
 log = logging.getLogger(__name__)
@@ -422,8 +422,10 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
         _check_same_drafter(resume_cfg, cfg, tc.run_name, run_uri)
     torch.manual_seed(tc.seed)
     drafter = DFlashDrafter(cfg)
-    parent = _init_from_drafter(drafter, dc.init_from, target) if dc.init_from else {}
-    if not dc.init_from and dc.init_from_target:
+    parent = {}  # lineage of the drafter this run fine-tunes
+    if dc.init_from:
+        parent = _init_from_drafter(drafter, dc.init_from, target)
+    elif dc.init_from_target:
         init_from_target(drafter, target)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
