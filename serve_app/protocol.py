@@ -7,14 +7,12 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
-#: Legacy completion features we do not implement, with the values that mean "not used".
-_UNSUPPORTED_COMPLETION_FIELDS = {"echo": (None, False), "logprobs": (None, False), "suffix": (None, ""),
-                                  "best_of": (None, 1)}
 
 
 class APIError(Exception):
@@ -94,6 +92,106 @@ def _is_int(v: Any) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
 
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_object(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def _is_objects(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, dict) for x in v)
+
+
+def _is_logit_bias(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit()
+                                       and _is_number(b) and -100 <= b <= 100 for k, b in v.items())
+
+
+@dataclass(frozen=True)
+class _Unimplemented:
+    """An OpenAI request field we accept but do not implement. It is still type-checked (a
+    typo must not pass silently), and a value other than one that changes nothing is refused:
+    ignoring it would answer a request the client did not make. ``None`` means "not set"."""
+
+    expected: str  # a well-typed value, in words, for the 400
+    well_typed: Callable[[Any], bool]
+    neutral: Callable[[Any], bool] = lambda v: True  # the values we honour by doing nothing
+    bounds: tuple[float, float] | None = None  # OpenAI's range, checked before "neutral"
+    refusal: str = "'{name}' = {value} is not supported by this server."
+
+
+_PENALTY = _Unimplemented("a number", _is_number, lambda v: v == 0, bounds=(-2, 2))
+_UNIMPLEMENTED_COMMON: dict[str, _Unimplemented] = {
+    "logit_bias": _Unimplemented(
+        "an object mapping token-id strings to numbers in [-100, 100]", _is_logit_bias, lambda v: not v,
+        refusal="'logit_bias' is not supported by this server: speculative decoding verifies drafts "
+                "against the target model's own distribution, which a bias would change."),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "n": _Unimplemented("an integer", _is_int, lambda v: v == 1, bounds=(1, 128), refusal="Only n=1 is supported."),
+    # Accepted but not honoured: every row of a batch draws from the engine's one generator, so
+    # a per-request seed would need per-row generators. Seeded sampling is not reproducible.
+    "seed": _Unimplemented("an integer", _is_int),
+    "user": _Unimplemented("a string", _is_str),
+}
+_TOOL_CHOICE = _Unimplemented("a string or an object", lambda v: isinstance(v, (str, dict)),
+                              lambda v: v in ("none", "auto"))  # with no tools, "auto" can only mean "none"
+_UNIMPLEMENTED_CHAT: dict[str, _Unimplemented] = {
+    "logprobs": _Unimplemented("a boolean", _is_bool, lambda v: v is False),
+    "top_logprobs": _Unimplemented("an integer", _is_int, lambda v: v == 0, bounds=(0, 20)),
+    "response_format": _Unimplemented("an object with a string 'type'",
+                                      lambda v: isinstance(v, dict) and isinstance(v.get("type"), str),
+                                      lambda v: v["type"] == "text"),
+    "tools": _Unimplemented("an array of objects", _is_objects, lambda v: not v),
+    "tool_choice": _TOOL_CHOICE,
+    "parallel_tool_calls": _Unimplemented("a boolean", _is_bool),  # nothing to parallelise without tools
+    "functions": _Unimplemented("an array of objects", _is_objects, lambda v: not v),  # deprecated "tools"
+    "function_call": _TOOL_CHOICE,  # deprecated "tool_choice"
+    "modalities": _Unimplemented("an array of strings", lambda v: isinstance(v, list) and all(map(_is_str, v)),
+                                 lambda v: all(m == "text" for m in v)),
+    "audio": _Unimplemented("an object", _is_object, lambda v: False),
+    "prediction": _Unimplemented("an object", _is_object),  # a predicted output only saves latency
+    "store": _Unimplemented("a boolean", _is_bool, lambda v: v is False,
+                            refusal="'store' = true is not supported: this server keeps no completions."),
+    "metadata": _Unimplemented("an object mapping strings to strings",  # tags stored completions: none here
+                               lambda v: isinstance(v, dict) and all(map(_is_str, v.values()))),
+    "service_tier": _Unimplemented("a string", _is_str),  # one tier here; a tier sets latency, not output
+    "safety_identifier": _Unimplemented("a string", _is_str),
+    "prompt_cache_key": _Unimplemented("a string", _is_str),
+}
+_UNIMPLEMENTED_COMPLETION: dict[str, _Unimplemented] = {
+    "echo": _Unimplemented("a boolean", _is_bool, lambda v: v is False),
+    # any integer asks for log-probabilities (0: the sampled token's own); false means off
+    "logprobs": _Unimplemented("an integer", lambda v: v is False or _is_int(v), lambda v: v is False,
+                               bounds=(0, 5)),
+    "suffix": _Unimplemented("a string", _is_str, lambda v: v == ""),
+    "best_of": _Unimplemented("an integer", _is_int, lambda v: v == 1, bounds=(1, 20)),
+}
+
+
+def _check_unimplemented(body: dict, fields: dict[str, _Unimplemented]) -> None:
+    for name, f in fields.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not f.well_typed(value):
+            raise _type_error(name, value, f.expected)
+        if f.bounds is not None and not f.bounds[0] <= value <= f.bounds[1]:
+            lo, hi = f.bounds
+            code = ("integer" if _is_int(value) else "decimal") + ("_below_min" if value < lo else "_above_max")
+            raise APIError(400, f"Invalid '{name}': {value} is outside [{lo:g}, {hi:g}].", param=name,
+                           code=code + "_value")
+        if not f.neutral(value):
+            raise APIError(400, f.refusal.format(name=name, value=json.dumps(value)[:60]), param=name,
+                           code="unsupported_value")
+
+
 def _common(body: dict, limits: Limits, kind: str) -> dict:
     """Fields shared by both endpoints."""
     model = body.get("model", limits.model_name)
@@ -140,10 +238,6 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
         raise APIError(400, f"Invalid 'top_k': expected an integer >= 0 (or -1 for off), got {top_k!r}.",
                        param="top_k", code="invalid_value")
 
-    n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or int(n) != 1):
-        raise APIError(400, "Only n=1 is supported.", param="n", code="unsupported_value")
-
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -161,12 +255,16 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise _type_error("stream", stream, "a boolean")
-    opts = body.get("stream_options") or {}
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts  # not `or {}`: that would let "", 0 and [] through
     if not isinstance(opts, dict):
         raise _type_error("stream_options", opts, "an object")
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise _type_error("stream_options.include_usage", include_usage, "a boolean")
+
+    _check_unimplemented(body, _UNIMPLEMENTED_COMMON)
+    _check_unimplemented(body, _UNIMPLEMENTED_CHAT if kind == "chat" else _UNIMPLEMENTED_COMPLETION)
 
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return dict(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
@@ -227,9 +325,6 @@ def parse_completion(body: dict, limits: Limits) -> GenerationJob:
         raise _type_error("prompt", prompt, "a string or an array of token ids")
     if isinstance(prompt, str) and not prompt:
         raise APIError(400, "Invalid 'prompt': empty string.", param="prompt", code="invalid_value")
-    for name, allowed in _UNSUPPORTED_COMPLETION_FIELDS.items():
-        if body.get(name) not in allowed:
-            raise APIError(400, f"'{name}' is not supported.", param=name, code="unsupported_value")
     return GenerationJob(kind="completion", prompt=prompt, **_common(body, limits, "completion"))
 
 

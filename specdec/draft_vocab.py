@@ -11,20 +11,25 @@ Sampling: the proposal law q is the SAME temperature/top-k/top-p transform appli
 draft logits over V_d, with q = 0 outside it (``full_logits`` puts -inf there); accepting
 y ~ q with min(1, p/q) and resampling from max(p - q, 0) keeps the target's law for any q.
 
-On disk the ids live beside the published layout in ``draft_vocab.safetensors`` (tensor
-``token_ids``), so engines that do not know the file (vLLM, SGLang) load the drafter as
-usual and draft over the full vocabulary.
+On disk the ids live beside the published layout in ``draft_vocab.json``
+(``{"token_ids": [...]}``, sorted target ids). Not a ``.safetensors`` file on purpose:
+vLLM loads every ``*.safetensors`` in a drafter directory as weights and refuses the
+unknown tensor, so a sidecar there made our drafters unloadable in vLLM. Engines that do
+not know the file (vLLM, SGLang) draft over the full vocabulary with the target's head.
+Drafters saved before carry ``draft_vocab.safetensors`` (tensor ``token_ids``), still read.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import nn
 
-VOCAB_FILE = "draft_vocab.safetensors"
+VOCAB_FILE = "draft_vocab.json"
+LEGACY_VOCAB_FILE = "draft_vocab.safetensors"  # read only
 
 
 def count_tokens(sequences: Iterable[tuple[list[int], list[int]]], vocab_size: int) -> torch.Tensor:
@@ -57,21 +62,42 @@ def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def save_vocab(ids: torch.Tensor, directory: str | Path) -> Path:
-    from safetensors.torch import save_file
-
-    path = Path(directory) / VOCAB_FILE
-    save_file({"token_ids": ids.to(torch.int64).contiguous().cpu()}, str(path), metadata={"format": "pt"})
+    """Write ``draft_vocab.json`` (and drop a legacy ``draft_vocab.safetensors``)."""
+    directory = Path(directory)
+    path = directory / VOCAB_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"token_ids": [int(i) for i in ids.tolist()]}))
+    tmp.replace(path)
+    (directory / LEGACY_VOCAB_FILE).unlink(missing_ok=True)
     return path
+
+
+def remove_vocab(directory: str | Path) -> None:
+    """Drop the sidecar (overwriting a reduced-vocabulary drafter with a full one)."""
+    for name in (VOCAB_FILE, LEGACY_VOCAB_FILE):
+        (Path(directory) / name).unlink(missing_ok=True)
 
 
 def load_vocab(directory: str | Path) -> torch.Tensor | None:
     """The ids saved beside a drafter, or None (a full-vocabulary drafter)."""
-    from safetensors.torch import load_file
+    directory = Path(directory)
+    path = directory / VOCAB_FILE
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text()).get("token_ids")
+            ids = torch.tensor(raw, dtype=torch.long)
+        except (ValueError, TypeError, AttributeError, RuntimeError) as e:
+            raise ValueError(f"{path}: expected {{\"token_ids\": [int, ...]}} ({e})") from None
+    elif (directory / LEGACY_VOCAB_FILE).exists():
+        from safetensors.torch import load_file
 
-    path = Path(directory) / VOCAB_FILE
-    if not path.exists():
+        path = directory / LEGACY_VOCAB_FILE
+        try:
+            ids = load_file(str(path))["token_ids"].to(torch.long)
+        except Exception as e:  # safetensors raises its own error types for a corrupt file
+            raise ValueError(f"{path}: not a token_ids safetensors file ({e})") from None
+    else:
         return None
-    ids = load_file(str(path))["token_ids"].to(torch.long)
     if ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()):
         raise ValueError(f"{path}: token_ids must be a non-empty, strictly increasing 1-D list")
     return ids

@@ -72,6 +72,9 @@ class DrafterConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            # explicit, so engines that default differently (vLLM: sliding/causal per layer
+            # type) run what we trained: full bidirectional attention in every draft layer
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
@@ -91,6 +94,7 @@ class DrafterConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterConfig":
         dfc = d.get("dflash_config") or {}
+        refuse_unsupported_attention(d)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                                "vocab_size") if k not in d]
         if "mask_token_id" not in dfc:
@@ -119,6 +123,27 @@ class DrafterConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def refuse_unsupported_attention(d: dict) -> None:
+    """Published drafters may ask for sliding-window or causal draft layers, or scaled
+    RoPE; this engine computes full bidirectional attention with plain RoPE, so running
+    such a checkpoint would silently draft something else. Refuse it, naming the field."""
+    dfc = d.get("dflash_config") or {}
+    for i, kind in enumerate(d.get("layer_types") or []):
+        if kind != "full_attention":
+            raise ValueError(f"drafter config.json: layer_types[{i}]={kind!r} is not supported "
+                             "(only 'full_attention' draft layers; sliding-window draft attention is not built yet)")
+    for name, value in (("dflash_config.use_swa", dfc.get("use_swa")),
+                        ("dflash_config.causal", dfc.get("causal")), ("is_causal", d.get("is_causal"))):
+        if value:
+            raise ValueError(f"drafter config.json: {name}={value!r} is not supported "
+                             "(this engine's draft layers attend bidirectionally within the block)")
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = d.get(name) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind not in (None, "default"):
+            raise ValueError(f"drafter config.json: {name}.rope_type={kind!r} is not supported (only 'default' RoPE)")
 
 
 class RMSNorm(nn.Module):

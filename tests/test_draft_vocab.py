@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.checkpoint import load_drafter, save_drafter
-from specdec.draft_vocab import VOCAB_FILE, DraftHead, build_vocab, count_tokens, coverage
+from specdec.checkpoint import DrafterMismatchError, load_drafter, save_drafter
+from specdec.draft_vocab import LEGACY_VOCAB_FILE, VOCAB_FILE, DraftHead, build_vocab, count_tokens, coverage
 from specdec.engine import DFlashProposer, Engine, Request
 from specdec.objective import dflash_loss
 from specdec.tiny import random_drafter
@@ -33,7 +33,7 @@ def test_proposals_are_the_best_in_vocabulary_tokens(tiny):
     """The reduced head proposes argmax over V_d of the full head's logits, as target ids."""
     t = tiny("llama")
     ids = torch.tensor([2, 5, 9, 17, 33, 64, 100, 127])
-    full, reduced = random_drafter(t, block_size=6), random_drafter(t, block_size=6)
+    reduced = random_drafter(t, block_size=6)
     reduced.set_draft_vocab(ids)
     head = DraftHead(t, ids)
     h = torch.randn(3, 5, t.hidden_size, dtype=t.dtype)
@@ -91,8 +91,10 @@ def test_checkpoint_keeps_the_published_layout(tiny, tmp_path):
     d = random_drafter(t, block_size=4)
     d.set_draft_vocab([9, 3, 5, 3])  # deduplicated and sorted
     save_drafter(d, tmp_path / "d")
+    # the only .safetensors file is the weights: vLLM loads every *.safetensors as weights
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.safetensors")) == ["model.safetensors"]
     assert set(load_file(str(tmp_path / "d" / "model.safetensors"))) == set(random_drafter(t).state_dict())
-    assert load_file(str(tmp_path / "d" / VOCAB_FILE))["token_ids"].tolist() == [3, 5, 9]
+    assert json.loads((tmp_path / "d" / VOCAB_FILE).read_text())["token_ids"] == [3, 5, 9]
     assert json.loads((tmp_path / "d" / "config.json").read_text())["dflash_ray"]["draft_vocab_size"] == 3
     back = load_drafter(tmp_path / "d", target=t)
     assert back.draft_vocab.tolist() == [3, 5, 9]
@@ -100,6 +102,19 @@ def test_checkpoint_keeps_the_published_layout(tiny, tmp_path):
     back.set_draft_vocab(None)
     save_drafter(back, tmp_path / "d")
     assert not (tmp_path / "d" / VOCAB_FILE).exists() and load_drafter(tmp_path / "d").draft_vocab is None
-    (tmp_path / "d" / VOCAB_FILE).write_bytes(b"not safetensors")
-    with pytest.raises(Exception):
+    (tmp_path / "d" / VOCAB_FILE).write_text("not json")
+    with pytest.raises(DrafterMismatchError, match="token_ids"):
         load_drafter(tmp_path / "d")
+
+
+def test_legacy_safetensors_vocabulary_still_loads(tiny, tmp_path):
+    from safetensors.torch import save_file
+
+    t = tiny("llama")
+    save_drafter(random_drafter(t, block_size=4), tmp_path / "d")
+    save_file({"token_ids": torch.tensor([2, 4, 7])}, str(tmp_path / "d" / LEGACY_VOCAB_FILE))
+    assert load_drafter(tmp_path / "d", target=t).draft_vocab.tolist() == [2, 4, 7]
+    d = load_drafter(tmp_path / "d", target=t)
+    save_drafter(d, tmp_path / "d")  # re-saving migrates to the JSON sidecar
+    assert not (tmp_path / "d" / LEGACY_VOCAB_FILE).exists()
+    assert load_drafter(tmp_path / "d").draft_vocab.tolist() == [2, 4, 7]

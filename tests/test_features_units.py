@@ -226,9 +226,10 @@ def test_layers_are_checked_before_any_ray_work(tiny_dir):
     def cfg(**features):
         return parse_section(FeaturesConfig, {"output": "x", "target": {"model": str(tiny)}, **features}, "features")
 
-    check_target_early(cfg(layer_ids=[1, 3, 5]))
-    with pytest.raises(ConfigError, match=r"features\.layer_ids: layers \[6\] do not exist; the target has 6"):
-        check_target_early(cfg(layer_ids=[1, 6]))
+    check_target_early(cfg(layer_ids=[1, 3, 4]))
+    # the last layer (5) is refused too: vLLM feeds layer i+1's input for id i
+    with pytest.raises(ConfigError, match=r"features\.layer_ids: layers \[5\] out of range; a 6-layer target allows 0\.\.4"):
+        check_target_early(cfg(layer_ids=[1, 5]))
     with pytest.raises(ConfigError, match=r"features\.num_layers: 5 layers spaced over a 6-layer target repeat"):
         check_target_early(cfg())
 

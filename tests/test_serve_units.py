@@ -157,6 +157,95 @@ def test_valid_requests_parse():
         assert e.value.status == 400
 
 
+# OpenAI fields we accept but do not implement: ill-typed -> 400 naming the field and what was expected
+@pytest.mark.parametrize("name,value,expected", [
+    ("seed", "abc", "an integer"),
+    ("seed", True, "an integer"),
+    ("logit_bias", "x", "token-id strings"),
+    ("logit_bias", {"abc": 1}, "token-id strings"),
+    ("logit_bias", {"42": 101}, "[-100, 100]"),
+    ("presence_penalty", "1", "a number"),
+    ("frequency_penalty", [0], "a number"),
+    ("user", 7, "a string"),
+    ("n", "2", "an integer"),
+    ("logprobs", "yes", "a boolean"),
+    ("top_logprobs", 1.5, "an integer"),
+    ("response_format", "json", "an object"),
+    ("tools", {"type": "function"}, "an array of objects"),
+    ("tool_choice", 3, "a string or an object"),
+    ("parallel_tool_calls", "true", "a boolean"),
+    ("stream_options", "", "an object"),
+    ("metadata", {"k": 1}, "an object mapping strings to strings"),
+    ("service_tier", 1, "a string"),
+    ("store", "no", "a boolean"),
+])
+def test_chat_ill_typed_unimplemented_fields(name, value, expected):
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": MSG, name: value}, LIMITS)
+    assert (e.value.status, e.value.param, e.value.code) == (400, name, "invalid_type")
+    assert expected in e.value.message
+
+
+@pytest.mark.parametrize("name,value,code", [
+    ("logit_bias", {"42": 5}, "unsupported_value"),
+    ("presence_penalty", 0.5, "unsupported_value"),
+    ("frequency_penalty", -1, "unsupported_value"),
+    ("presence_penalty", 2.5, "decimal_above_max_value"),
+    ("n", 2, "unsupported_value"),
+    ("n", 0, "integer_below_min_value"),
+    ("logprobs", True, "unsupported_value"),
+    ("top_logprobs", 3, "unsupported_value"),
+    ("top_logprobs", 21, "integer_above_max_value"),
+    ("response_format", {"type": "json_object"}, "unsupported_value"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "unsupported_value"),
+    ("tool_choice", "required", "unsupported_value"),
+    ("store", True, "unsupported_value"),
+])
+def test_chat_unhonourable_values_are_refused(name, value, code):
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": MSG, name: value}, LIMITS)
+    assert (e.value.status, e.value.param, e.value.code) == (400, name, code)
+    assert name in e.value.message
+
+
+def test_logit_bias_refusal_says_why():
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "x", "logit_bias": {"42": -100}}, LIMITS)
+    assert e.value.param == "logit_bias" and "not supported by this server" in e.value.message
+
+
+NEUTRAL = {"seed": 12345, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1,
+           "user": "u-1", "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
+           "tool_choice": "none", "parallel_tool_calls": True, "metadata": {"k": "v"}, "store": False,
+           "service_tier": "auto", "stream_options": None}
+
+
+def test_neutral_values_are_accepted():
+    job = parse_chat({"messages": MSG, "temperature": 0.5, **NEUTRAL}, LIMITS)
+    assert job.temperature == 0.5 and job.messages == [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": MSG, **{k: None for k in NEUTRAL}}, LIMITS).max_tokens == 16
+    common = {k: NEUTRAL[k] for k in ("seed", "logit_bias", "presence_penalty", "frequency_penalty", "n", "user")}
+    comp = parse_completion({"prompt": "x", "echo": False, "logprobs": False, "suffix": "", "best_of": 1, **common},
+                            LIMITS)
+    assert comp.prompt == "x"
+
+
+@pytest.mark.parametrize("name,value,code", [
+    ("seed", "abc", "invalid_type"),
+    ("logit_bias", "x", "invalid_type"),
+    ("echo", "no", "invalid_type"),
+    ("echo", True, "unsupported_value"),
+    ("logprobs", 2, "unsupported_value"),
+    ("logprobs", 6, "integer_above_max_value"),
+    ("suffix", "tail", "unsupported_value"),
+    ("best_of", 3, "unsupported_value"),
+])
+def test_completion_unimplemented_fields(name, value, code):
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "x", name: value}, LIMITS)
+    assert (e.value.status, e.value.param, e.value.code) == (400, name, code)
+
+
 # ---------------------------------------------------------------------- worker
 @pytest.fixture(scope="module")
 def tiny():
@@ -292,30 +381,57 @@ def test_registry_resolution_polling_and_target_identity_refusal(tiny, monkeypat
 
 # ---------------------------------------------------------------------- vLLM backend config
 def test_vllm_backend_config_is_a_valid_llm_config(tiny):
-    from serve_app.backends import vllm_llm_config
+    from serve_app.vllm_app import vllm_llm_config
 
     root, target = tiny
     drafter_dir = make_drafter(target, root / "d-vllm")
-    cfg = load_config({"backend": "vllm", "max_replicas": 8, "accelerator_type": "H100",
+    source = {"kind": "path", "path": str(drafter_dir)}
+    cfg = load_config({"backend": "vllm", "max_replicas": 8, "accelerator_type": "H100", "device": "cuda",
                        "vllm_engine_kwargs": {"max_model_len": 4096}})
-    d = vllm_llm_config(cfg, "/models/target", str(drafter_dir))
-    assert d["engine_kwargs"]["speculative_config"] == {"method": "dflash", "model": str(drafter_dir),
-                                                        "num_speculative_tokens": BLOCK - 1}
-    assert d["engine_kwargs"]["max_model_len"] == 4096
+    d = vllm_llm_config(cfg, "/models/target", source)
+    assert d["engine_kwargs"]["speculative_config"]["method"] == "dflash"
+    # the drafter is resolved on the engine's node, by the callback, with the drafter's own B
+    assert d["callback_config"]["callback_class"] == "serve_app.vllm_app:DrafterOnNode"
+    assert d["callback_config"]["callback_kwargs"] == {"source": source, "embedded_target": True, "block_size": None}
+    assert d["engine_kwargs"]["max_model_len"] == 4096 and d["engine_kwargs"]["dtype"] == "auto"
     assert d["model_loading_config"] == {"model_id": "smollm2-135m", "model_source": "/models/target"}
+    assert d["accelerator_type"] == "H100" and "accelerator_config" not in d
     auto = d["deployment_config"]["autoscaling_config"]
-    assert auto["max_replicas"] == 8
-    assert auto["policy"]["policy_function"] == "serve_app.autoscaling:AcceptanceAwarePolicy"
-    fixed = vllm_llm_config(load_config({"backend": "vllm", "block_size": 4}), "/t", str(drafter_dir))
+    assert auto["max_replicas"] == 8 and "policy" not in auto  # Serve's default policy on this backend
+    assert d["deployment_config"]["max_queued_requests"] == 256  # honoured, not dropped
+    fixed = vllm_llm_config(load_config({"backend": "vllm", "block_size": 4}), "/t", source)
+    assert fixed["callback_config"]["callback_kwargs"]["block_size"] == 4
     assert fixed["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 3
-    off = vllm_llm_config(load_config({"backend": "vllm", "block_size": "off"}), "/t", str(drafter_dir))
-    assert "speculative_config" not in off["engine_kwargs"]
-    # Ray Serve LLM's own schema accepts it (its pydantic model imports without vLLM)
+    cpu = vllm_llm_config(load_config({"backend": "vllm", "replica_resources": {"engine_node": 1}}), "/t", None)
+    assert "speculative_config" not in cpu["engine_kwargs"] and cpu["engine_kwargs"]["enforce_eager"]
+    assert cpu["accelerator_config"] == {"kind": "cpu"}
+    assert cpu["placement_group_config"] == {"bundles": [{"CPU": 1.0, "engine_node": 1}]}
+    # Ray Serve LLM's own schema accepts it (its pydantic model imports without starting vLLM)
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
     parsed = LLMConfig(**d)
     assert parsed.engine_kwargs["speculative_config"]["method"] == "dflash"
     assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
+                                            ("registry_poll_s", 0), ("max_batch_size", 4), ("torch_threads", 2)])
+def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
+    from serve_app.vllm_app import UnsupportedSetting, check_settings
+
+    check_settings(load_config({"backend": "vllm"}))  # the defaults pass
+    with pytest.raises(UnsupportedSetting, match=f"^{setting} is not supported by backend=vllm"):
+        check_settings(load_config({"backend": "vllm", setting: value}))
+
+
+def test_vllm_backend_never_runs_with_the_api_key_silently_off(monkeypatch):
+    from serve_app.vllm_app import UnsupportedSetting, check_settings
+
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    with pytest.raises(UnsupportedSetting, match=r"api_key_env: \$MY_KEY is set"):
+        check_settings(load_config({"backend": "vllm", "api_key_env": "MY_KEY"}))
+    monkeypatch.setenv("MY_KEY", "")
+    check_settings(load_config({"backend": "vllm", "api_key_env": "MY_KEY"}))
 
 
 # ---------------------------------------------------------------------- metrics + config

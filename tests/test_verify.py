@@ -70,7 +70,7 @@ def test_residual_when_p_equals_q_is_p():
 
 def test_speculative_accept_samples_the_target_law():
     """Monte Carlo through the real sampler: many rows of the same (p, q)."""
-    V, K, N = 4, 2, 200_000
+    V, N = 4, 200_000
     gen = torch.Generator().manual_seed(0)
     p0, q1, q2 = _law(V, gen), _law(V, gen), _law(V, gen)
     p1 = torch.stack([_law(V, gen) for _ in range(V)])  # p1[x0]

@@ -97,9 +97,11 @@ def resolve_layer_ids(layer_ids: list[int] | None, num_features: int, num_target
         if len(set(layer_ids)) != len(layer_ids):
             raise ConfigError(f"features.num_layers: {num_features} layers spaced over a {num_target_layers}-layer "
                               f"target repeat layers ({layer_ids}); set features.layer_ids")
-    bad = [i for i in layer_ids if i >= num_target_layers]
+    # <= L-2: the exported drafter must load in vLLM, which reads layer i+1's input for layer i
+    bad = [i for i in layer_ids if i > num_target_layers - 2]
     if bad:
-        raise ConfigError(f"features.layer_ids: layers {bad} do not exist; the target has {num_target_layers} layers")
+        raise ConfigError(f"features.layer_ids: layers {bad} out of range; a {num_target_layers}-layer target "
+                          f"allows 0..{num_target_layers - 2} (the last layer's output is not a drafter feature)")
     return list(layer_ids)
 
 

