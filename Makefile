@@ -61,6 +61,12 @@ bench: setup assets
 bench-train: setup assets
 	$(BIN)/python jobs/bench_train.py throughput --workers 1,2 --out runs/bench/train_throughput.json
 
+# GPU-only checks (bf16 flex training, vLLM + drafter, Serve over HTTP, vLLM features), < 8 min;
+# SKIPs without a GPU. Fresh GPU machine: make TORCH_SPEC=torch VLLM=gpu gpu-check
+.PHONY: gpu-check
+gpu-check: setup assets
+	$(BIN)/python jobs/gpu_check.py --out runs/gpu_check.json $(GPU_CHECK_ARGS)
+
 clean-cache:
 	rm -rf $${DFLASH_CACHE:-$$HOME/.cache/dflash-ray}
 

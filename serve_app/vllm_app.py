@@ -16,11 +16,15 @@ What differs from the ``hf`` backend, and why:
   new champion).
 * Autoscaling: Serve's default ongoing-requests policy (Ray Serve LLM's server does not
   publish the acceptance our policy needs).
-* Settings this backend cannot honour are refused by name (:func:`check_settings`), never
-  silently dropped: an API key in particular.
+* Our ingress subclass (:func:`checked_ingress_class`) keeps what the hf backend promises
+  at the HTTP entry: the bearer key of ``api_key_env``, and an OpenAI-style 400 naming a
+  parameter speculative decoding cannot honour (vLLM would ignore ``logit_bias`` and
+  ``min_p`` with a drafter). Settings this backend cannot honour are refused by name
+  (:func:`check_settings`), never silently dropped.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: FastAPI resolves the ingress methods' annotations
+# (Request, the request bodies) at runtime, and those types are imported inside a function
 
 import logging
 import os
@@ -55,11 +59,6 @@ def check_settings(cfg: ServeConfig) -> None:
     for name in UNSUPPORTED:
         if getattr(cfg, name) != ServeConfig.model_fields[name].get_default(call_default_factory=True):
             raise UnsupportedSetting(f"{name} is not supported by backend=vllm: {UNSUPPORTED[name]}")
-    if os.environ.get(cfg.api_key_env):
-        raise UnsupportedSetting(
-            f"api_key_env: ${cfg.api_key_env} is set, but backend=vllm (Ray Serve LLM's OpenAI app) has no "
-            "API-key check, so the key would be silently off. Put an authenticating proxy in front and unset "
-            f"${cfg.api_key_env}, or serve with backend=hf")
     if isinstance(cfg.block_size, int) and cfg.drafter is None:
         raise UnsupportedSetting("block_size: a fixed block size needs a drafter (drafter=none was given)")
 
@@ -121,6 +120,63 @@ def drafter_on_node_class():
             log.info("DFlash drafter for this engine: %s (B=%d)", path, block)
 
     return DrafterOnNode
+
+
+# ---------------------------------------------------------------------- the HTTP entry
+def refusal(body, speculative: bool) -> str | None:
+    """The parameter of a request this backend would silently not honour, or None."""
+    if speculative and getattr(body, "logit_bias", None):
+        return "logit_bias"
+    if speculative and (getattr(body, "min_p", None) or 0) > 0:
+        return "min_p"
+    return None
+
+
+def checked_ingress_class():
+    """Ray Serve LLM's OpenAI ingress with our API-key check and refusals."""
+    from fastapi import Request
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from ray.serve.llm.ingress import OpenAiIngress
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+    from serve_app.ingress import check_api_key
+    from serve_app.protocol import APIError
+
+    class CheckedIngress(OpenAiIngress):
+        def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._api_key = os.environ.get(api_key_env) or None
+            self._speculative = speculative
+
+        def _check(self, request: Request, body=None) -> None:
+            try:
+                check_api_key(request.headers.get("authorization"), self._api_key)
+            except APIError as e:
+                raise OpenAIHTTPException(status_code=e.status, message=e.message, type=e.type) from None
+            name = refusal(body, self._speculative) if body is not None else None
+            if name:
+                raise OpenAIHTTPException(
+                    status_code=400, type="invalid_request_error",
+                    message=f"'{name}' is not supported by this server: speculative decoding verifies drafts "
+                            "against the target model's own distribution, which it would change.")
+
+        async def models(self, request: Request):
+            self._check(request)
+            return await super().models()
+
+        async def model_data(self, model: str, request: Request):
+            self._check(request)
+            return await super().model_data(model)
+
+        async def completions(self, body: CompletionRequest, request: Request):
+            self._check(request, body)
+            return await super().completions(body, request)
+
+        async def chat(self, body: ChatCompletionRequest, request: Request):
+            self._check(request, body)
+            return await super().chat(body, request)
+
+    return CheckedIngress
 
 
 # ---------------------------------------------------------------------- the LLMConfig
@@ -194,12 +250,16 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     return out
 
 
+_LAZY = {"DrafterOnNode": drafter_on_node_class, "CheckedIngress": checked_ingress_class}
+
+
 def __getattr__(name: str):
-    # "serve_app.vllm_app:DrafterOnNode" (callback_config) resolves here in the replica
-    if name == "DrafterOnNode":
-        globals()[name] = cls = drafter_on_node_class()
+    # "serve_app.vllm_app:DrafterOnNode" / ":CheckedIngress" resolve here, in the replicas
+    # (built lazily: their base classes need ray[llm]'s dependencies)
+    if name in _LAZY:
+        globals()[name] = cls = _LAZY[name]()
         return cls
-    raise AttributeError(name)
+    raise AttributeError(f"module 'serve_app.vllm_app' has no attribute {name!r}")
 
 
 def build_vllm_app(cfg: ServeConfig):
@@ -209,7 +269,13 @@ def build_vllm_app(cfg: ServeConfig):
     from specdec.target import resolve_target_path
 
     check_settings(cfg)
-    llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), drafter_source(cfg)))
-    # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
-    return build_openai_app({"llm_configs": [llm_config],
-                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}}})
+    source = drafter_source(cfg)
+    llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), source))
+    return build_openai_app({
+        "llm_configs": [llm_config],
+        "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",
+                               "ingress_extra_kwargs": {"api_key_env": cfg.api_key_env,
+                                                        "speculative": source is not None}},
+        # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
+        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},
+    })

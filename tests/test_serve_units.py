@@ -424,14 +424,15 @@ def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
         check_settings(load_config({"backend": "vllm", setting: value}))
 
 
-def test_vllm_backend_never_runs_with_the_api_key_silently_off(monkeypatch):
-    from serve_app.vllm_app import UnsupportedSetting, check_settings
+def test_vllm_ingress_refuses_what_speculation_would_ignore():
+    from types import SimpleNamespace as NS
 
-    monkeypatch.setenv("MY_KEY", "s3cret")
-    with pytest.raises(UnsupportedSetting, match=r"api_key_env: \$MY_KEY is set"):
-        check_settings(load_config({"backend": "vllm", "api_key_env": "MY_KEY"}))
-    monkeypatch.setenv("MY_KEY", "")
-    check_settings(load_config({"backend": "vllm", "api_key_env": "MY_KEY"}))
+    from serve_app.vllm_app import refusal
+
+    assert refusal(NS(logit_bias={"5": 10}, min_p=0.0), speculative=True) == "logit_bias"
+    assert refusal(NS(logit_bias=None, min_p=0.1), speculative=True) == "min_p"
+    assert refusal(NS(logit_bias={}, min_p=0.0), speculative=True) is None
+    assert refusal(NS(logit_bias={"5": 10}, min_p=0.1), speculative=False) is None  # plain vLLM honours both
 
 
 # ---------------------------------------------------------------------- metrics + config
