@@ -27,7 +27,7 @@ from pipelines.features.format import FeatureLayout, ManifestMismatchError, expe
 from pipelines.features import load_manifest, read_features, run_features, verify_features
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = [1, 2, 3]
+LAYERS = [0, 1, 2]  # <= L-2 of the 4-layer tiny target
 NUM_PROMPTS = 11  # one of them is over the token cap and is skipped
 
 
