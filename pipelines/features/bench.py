@@ -160,3 +160,121 @@ def ray_stage_pass(out_dir: str, rows: list[dict], batch_size: int, tokens: int)
     wall = time.perf_counter() - t0
     inside = sum(s["extract_seconds"] for s in status)
     return {"actor_tokens_per_s": tokens / inside, "wall_s_with_actor_start": wall, "actor_cpus": cpus}
+
+
+# ---------------------------------------------------------------------------- generation backends
+def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
+                     config: str = "configs/smollm2-135m-reference.yaml", hf_actors: int = 2,
+                     vllm_binds: tuple[str, ...] = ("auto",)) -> dict:
+    """Generated tokens/s of the hf and vllm backends on the same ShareGPT prompts (the
+    recipe's prompt and sampling settings), in one Ray session, each through its own
+    pipeline stage on this machine's CPUs: hf as its recipes ran it (``hf_actors``
+    ``Regenerate`` actors of one thread), vllm through Ray Data's vLLM processor (one
+    engine, once per ``VLLM_CPU_OMP_THREADS_BIND`` value: "auto" keeps a core for vLLM's
+    scheduler).
+
+    hf runs before and after vllm: on a shared machine, two hf rows that disagree say the
+    neighbours' load changed in between (each row also records the load average).
+    ``tokens_per_s`` counts the generation window (first shard started to last token):
+    model load and engine start-up are excluded for both, and included in ``wall_s``."""
+    import dataclasses
+    import math
+    import os
+
+    import ray
+    import ray.data
+
+    from pipelines.config import load_features_config
+    from pipelines.features.pipeline import generation_actors, plan_shards
+    from pipelines.features.workers import Regenerate, regenerate_vllm
+    from specdec.target import resolve_target_path
+
+    cfg = load_features_config(config, [f"features.prompts.limit={num_prompts}",
+                                        f"features.generation.max_new_tokens={max_new_tokens}"])
+    # one shard per hf actor: each decodes its shard as one continuous batch, as in the recipe
+    per_shard = math.ceil(num_prompts / hf_actors)
+    shards, _ = plan_shards(dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage,
+                                                                                 samples_per_shard=per_shard)))
+    rows, order = [s.as_row() for s in shards], {s.shard_id: list(s.ids) for s in shards}
+    if not ray.is_initialized():  # a cluster of our own unless the job runs on one
+        ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, logging_level="warning")
+    target, gen = dataclasses.asdict(cfg.target), dataclasses.asdict(cfg.generation)
+    gen |= {"num_gpus": 0, "num_cpus": 1}
+    hgen = {**gen, "backend": "hf", "actors": hf_actors}
+    vgen = {**gen, "backend": "vllm", "actors": 1}  # one engine; its threads: the bind
+
+    def hf() -> list[dict]:
+        return ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+            Regenerate, batch_size=1, batch_format="pyarrow",
+            fn_constructor_kwargs={"target": target, "generation": hgen,
+                                   "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
+            compute=generation_actors(hf_actors), num_cpus=1, num_gpus=0,
+        ).take_all()
+
+    def vllm(bind: str) -> list[dict]:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # reaches the engine through the runtime_env
+        try:
+            return regenerate_vllm(ray.data.from_items(rows, override_num_blocks=len(rows)),
+                                   resolve_target_path(cfg.target.model), vgen, target, cfg.prompts.max_prompt_tokens,
+                                   cfg.prompts.max_prompt_tokens + max_new_tokens, order).take_all()
+        finally:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+    hf_setup = f"{hf_actors} actor(s) x 1 thread, batch {gen['batch_size']}"
+    runs = [("hf", hf, hf_setup)]
+    runs += [(f"vllm bind={b}", lambda b=b: vllm(b), f"1 engine, VLLM_CPU_OMP_THREADS_BIND={b}") for b in vllm_binds]
+    runs += [("hf again", hf, hf_setup)]
+    results, reference = {}, None
+    for name, run, setup in runs:
+        t0 = time.perf_counter()
+        out = run()
+        results[name] = _generation_summary(out, time.perf_counter() - t0) | {"setup": setup,
+                                                                              "load_avg_1m": os.getloadavg()[0]}
+        seqs = _sequences(out)
+        reference = reference or seqs
+        results[name]["same_tokens_as_hf"] = sum(seqs[k] == v for k, v in reference.items()) / len(reference)
+    return {"model": cfg.target.model, "dtype": cfg.target.dtype, "config": config, "prompts": num_prompts,
+            "max_new_tokens": max_new_tokens, "temperature": gen["temperature"],
+            "cluster_cpus": ray.cluster_resources().get("CPU"), "backends": results}
+
+
+def _generation_summary(shard_rows: list[dict], wall: float) -> dict:
+    tokens = sum(r["gen_tokens"] for r in shard_rows)
+    window = max(r["gen_start"] + r["gen_seconds"] for r in shard_rows) - min(r["gen_start"] for r in shard_rows)
+    return {"sequences": sum(len(r["ids"]) for r in shard_rows), "generated_tokens": tokens,
+            "generating_pids": len({r["gen_pid"] for r in shard_rows}),  # hf: the actors that decoded
+            "gen_window_s": window, "tokens_per_s": tokens / window, "wall_s": wall, "tokens_per_s_wall": tokens / wall}
+
+
+def _sequences(shard_rows: list[dict]) -> dict[str, list[int]]:
+    return {i: [int(t) for t in s] for r in shard_rows for i, s in zip(r["ids"], r["input_ids"])}
+
+
+def generation_table(result: dict) -> str:
+    lines = [f"{'backend':<16}{'sequences':>10}{'gen tokens':>11}{'window s':>10}{'tok/s':>8}{'wall s':>8}"
+             f"{'tok/s wall':>11}{'same as hf':>11}{'load':>6}  setup"]
+    for name, r in result["backends"].items():
+        lines.append(f"{name:<16}{r['sequences']:>10}{r['generated_tokens']:>11}{r['gen_window_s']:>10.1f}"
+                     f"{r['tokens_per_s']:>8.1f}{r['wall_s']:>8.1f}{r['tokens_per_s_wall']:>11.1f}"
+                     f"{r['same_tokens_as_hf']:>11.0%}{r['load_avg_1m']:>6.1f}  {r['setup']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m pipelines.features.bench --prompts 64 --out runs/bench/generation.json
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="generated tokens/s: hf vs vllm backend")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--config", default="configs/smollm2-135m-reference.yaml")
+    ap.add_argument("--hf-actors", type=int, default=2, help="one-thread hf actors (the hf recipes' setting)")
+    ap.add_argument("--vllm-bind", action="append", help="VLLM_CPU_OMP_THREADS_BIND values (repeatable)")
+    ap.add_argument("--out", help="write the result JSON here too")
+    args = ap.parse_args()
+    res = generation_bench(args.prompts, args.max_new_tokens, args.config, args.hf_actors,
+                           tuple(args.vllm_bind or ["auto"]))
+    print(generation_table(res))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

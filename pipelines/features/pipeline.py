@@ -170,7 +170,7 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
                                    "storage_cfg": storage_cfg, "batch_size": cfg.extract.batch_size,
                                    "generation": gen, "max_prompt_tokens": cfg.prompts.max_prompt_tokens,
                                    "run_key": run_key},
-            compute=ray.data.ActorPoolStrategy(size=cfg.generation.actors),
+            compute=generation_actors(cfg.generation.actors),
             num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
         )
     if cfg.generation.backend == "dataset":
@@ -185,7 +185,7 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
             Regenerate, batch_size=1, batch_format="pyarrow",
             fn_constructor_kwargs={"target": target, "generation": gen,
                                    "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
-            compute=ray.data.ActorPoolStrategy(size=cfg.generation.actors),
+            compute=generation_actors(cfg.generation.actors),
             num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
         )
     else:
@@ -204,6 +204,15 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
         compute=ray.data.ActorPoolStrategy(size=cfg.extract.actors),
         num_cpus=cfg.extract.num_cpus, num_gpus=cfg.extract.num_gpus,
     )
+
+
+def generation_actors(n: int):
+    """The hf generation actors, one shard in flight each: Ray Data otherwise queues
+    several shards on the first actor up while the others still load the model (a run of
+    2 shards on 2 actors decoded both on one)."""
+    import ray.data
+
+    return ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=1)
 
 
 class Progress:
