@@ -18,6 +18,7 @@ from torch import nn
 
 
 MIN_BLOCK_SIZE = 2  # the anchor and at least one drafted token
+FULL, SLIDING = "full_attention", "sliding_attention"  # the published per-layer kinds
 
 
 def check_block_size(value, name: str = "block_size") -> int:
@@ -44,6 +45,11 @@ class DrafterConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
     target_hidden_size: int | None = None
+    # sliding-window draft attention: a query at position i sees context positions j > i - W
+    # (the last W positions, itself included), as vLLM and flash-attention windows compute;
+    # layer_types null means every layer sliding when sliding_window is set, else all full
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     extra: dict = field(default_factory=dict)  # our lineage, stored under "dflash_ray"
 
     def __post_init__(self):
@@ -53,6 +59,13 @@ class DrafterConfig:
         check_block_size(self.block_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.layer_types = check_layer_types(self.layer_types, self.sliding_window, self.num_hidden_layers,
+                                             self.block_size, self.max_position_embeddings)
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each draft layer's window W (None: full attention)."""
+        return [self.sliding_window if kind == SLIDING else None for kind in self.layer_types]
 
     @property
     def num_features(self) -> int:
@@ -73,8 +86,8 @@ class DrafterConfig:
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             # explicit, so engines that default differently (vLLM: sliding/causal per layer
-            # type) run what we trained: full bidirectional attention in every draft layer
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            # type) run what we trained
+            "layer_types": list(self.layer_types),
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
@@ -87,7 +100,11 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": self.target_layer_ids,
                 "block_size": self.block_size,
+                # vLLM makes sliding layers causal unless told; ours are bidirectional in the block
+                **({"causal": False, "swa_window_size": self.sliding_window} if self.sliding_window else {}),
             },
+            # Qwen3Config keeps sliding_window only with use_sliding_window (the official code reads it)
+            **({"sliding_window": self.sliding_window, "use_sliding_window": True} if self.sliding_window else {}),
             "dflash_ray": self.extra,
         }
 
@@ -108,6 +125,7 @@ class DrafterConfig:
             layer_ids = default_target_layer_ids(num_target_layers, d["num_hidden_layers"])
         rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
         n_heads = d["num_attention_heads"]
+        window, layer_types = published_window(d)
         return cls(
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads", n_heads),
@@ -118,27 +136,76 @@ class DrafterConfig:
             block_size=int(dfc.get("block_size") or d.get("block_size") or 16),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            target_hidden_size=d.get("target_hidden_size"), extra=dict(d.get("dflash_ray") or {}),
+            target_hidden_size=d.get("target_hidden_size"), sliding_window=window, layer_types=layer_types,
+            extra=dict(d.get("dflash_ray") or {}),
         )
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def check_layer_types(layer_types: list[str] | None, window: int | None, num_layers: int, block_size: int,
+                      max_positions: int) -> list[str]:
+    """The per-layer attention kinds, validated against the window (errors name the field)."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < block_size:
+            raise ValueError(f"sliding_window: expected an int >= block_size ({block_size}; a block must see "
+                             f"itself whole), got {window!r}")
+        if window > max_positions:
+            raise ValueError(f"sliding_window: {window} is larger than the context "
+                             f"(max_position_embeddings {max_positions})")
+    if layer_types is None:
+        return [SLIDING if window else FULL] * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types: expected {num_layers} entries (one per draft layer), got {len(layer_types)}")
+    for i, kind in enumerate(layer_types):
+        if kind not in (FULL, SLIDING):
+            raise ValueError(f"layer_types[{i}]: expected {FULL!r} or {SLIDING!r}, got {kind!r}")
+    if SLIDING in layer_types and window is None:
+        raise ValueError("sliding_window: layer_types has 'sliding_attention' layers but no window is set")
+    return layer_types
+
+
+def published_window(d: dict) -> tuple[int | None, list[str] | None]:
+    """(window, layer_types) of a published config, resolved as vLLM resolves them:
+    ``dflash_config.use_swa`` makes every layer sliding; the window comes from
+    ``dflash_config.swa_window_size`` or the top-level ``sliding_window``."""
+    dfc = d.get("dflash_config") or {}
+    layer_types = d.get("layer_types")
+    n = d.get("num_hidden_layers")
+    if dfc.get("use_swa") and (not layer_types or SLIDING not in layer_types):
+        layer_types = [SLIDING] * int(n or len(layer_types or []) or 1)
+    sliding = bool(layer_types) and SLIDING in layer_types
+    window = (dfc.get("swa_window_size") or d.get("sliding_window")) if sliding else None
+    if sliding and window is None:
+        raise ValueError("drafter config.json: layer_types has 'sliding_attention' layers but neither "
+                         "dflash_config.swa_window_size nor sliding_window gives the window")
+    return window, layer_types
+
+
 def refuse_unsupported_attention(d: dict) -> None:
-    """Published drafters may ask for sliding-window or causal draft layers, or scaled
-    RoPE; this engine computes full bidirectional attention with plain RoPE, so running
-    such a checkpoint would silently draft something else. Refuse it, naming the field."""
+    """Published drafters may ask for causal draft layers, attention sinks or scaled RoPE;
+    this engine computes bidirectional in-block attention (full or sliding-window) with
+    plain RoPE, so running such a checkpoint would silently draft something else. Refuse
+    it, naming the field."""
     dfc = d.get("dflash_config") or {}
     for i, kind in enumerate(d.get("layer_types") or []):
-        if kind != "full_attention":
+        if kind not in (FULL, SLIDING):
             raise ValueError(f"drafter config.json: layer_types[{i}]={kind!r} is not supported "
-                             "(only 'full_attention' draft layers; sliding-window draft attention is not built yet)")
-    for name, value in (("dflash_config.use_swa", dfc.get("use_swa")),
-                        ("dflash_config.causal", dfc.get("causal")), ("is_causal", d.get("is_causal"))):
+                             f"(only {FULL!r} and {SLIDING!r} draft layers)")
+    for name, value in (("dflash_config.causal", dfc.get("causal")), ("is_causal", d.get("is_causal"))):
         if value:
             raise ValueError(f"drafter config.json: {name}={value!r} is not supported "
                              "(this engine's draft layers attend bidirectionally within the block)")
+    explicit = dfc.get("causal") is not None or d.get("is_causal") is not None
+    if SLIDING in (d.get("layer_types") or []) and not explicit:
+        # vLLM runs sliding layers causally unless the config says otherwise (gemma-4 DFlash)
+        raise ValueError("drafter config.json: layer_types has 'sliding_attention' layers but no "
+                         "dflash_config.causal: vLLM runs such layers causally within the block, this engine "
+                         "bidirectionally; set dflash_config.causal: false if the drafter was trained that way")
+    if dfc.get("add_swa_attention_sink_bias") or d.get("add_swa_attention_sink_bias"):
+        raise ValueError("drafter config.json: add_swa_attention_sink_bias is not supported (no attention sinks)")
     for name in ("rope_parameters", "rope_scaling"):
         rope = d.get(name) or {}
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
@@ -281,18 +348,28 @@ class DFlashDrafter(nn.Module):
         """Denoise block tokens (B, Tq, H) at ``positions`` (B, Tq) against cached context.
 
         ``mask``: (B, 1, Tq, Tc + Tq) boolean, True where a block query may look (context
-        slots first, then block slots). Returns final-normed hidden states (B, Tq, H).
+        slots first, then block slots), or one such mask per layer (sliding-window layers
+        see less context than full ones). Returns final-normed hidden states (B, Tq, H).
         """
         x = block_embeds.to(self.dtype)
         cos, sin = self.rope(positions, x.dtype)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+        masks = mask if isinstance(mask, (list, tuple)) else [mask] * len(self.layers)
+        for layer, (k, v), m in zip(self.layers, ctx_kv, masks):
+            x = layer(x, cos, sin, k, v, m)
         return self.norm(x)
+
+    def layer_masks(self, build) -> list:
+        """One mask per layer from ``build(window)`` (window None: full attention), built
+        once per distinct window."""
+        windows = self.config.layer_windows
+        made = {w: build(w) for w in dict.fromkeys(windows)}
+        return [made[w] for w in windows]
 
 
 def drafter_config_for_target(target, num_hidden_layers: int = 1, block_size: int = 16,
                               target_layer_ids: list[int] | None = None, num_features: int = 5,
                               mask_token_id: int | None = None, intermediate_size: int | None = None,
+                              sliding_window: int | None = None, layer_types: list[str] | None = None,
                               ) -> DrafterConfig:
     """A drafter whose widths match ``target`` (embedding and LM head are shared, so
     hidden size and vocab must match; attention shapes follow the target's)."""
@@ -313,7 +390,7 @@ def drafter_config_for_target(target, num_hidden_layers: int = 1, block_size: in
         rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
         rope_theta=float(theta or getattr(c, "rope_theta", None) or 1e6),
         max_position_embeddings=getattr(c, "max_position_embeddings", 32768),
-        target_hidden_size=c.hidden_size,
+        target_hidden_size=c.hidden_size, sliding_window=sliding_window, layer_types=layer_types,
     )
 
 

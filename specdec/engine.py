@@ -287,7 +287,11 @@ class DFlashProposer:
     Committed target features wait in ``pending`` and enter the context cache in one
     drafter pass at the next drafting step, or once ``max_pending`` positions wait (steps
     with speculation off, k = 1, draft nothing): while serving runs plain AR steps the
-    drafter costs almost nothing per step, and its context is complete when drafting resumes."""
+    drafter costs almost nothing per step, and its context is complete when drafting resumes.
+
+    Sliding-window drafters (every layer windowed, window W) keep only the last W - 1
+    context positions (all a block can see): ``base[b]`` is the position of a row's first
+    cached slot, so draft KV memory and draft cost stay bounded however long the context."""
 
     needs_features = True
 
@@ -301,8 +305,13 @@ class DFlashProposer:
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.mask_id = drafter.config.mask_token_id
         self.max_pending = max_pending
+        self.windows = drafter.config.layer_windows
+        bounded = None not in self.windows and len(set(self.windows)) == 1
+        self.keep = self.windows[0] - 1 if bounded else None  # slots a block can see, when all layers slide
+        self.slack = max(16, (self.keep or 0) // 4)  # trim in batches: a gather per ~W/4 positions
         self.cache = DynamicCache()
-        self.lens = torch.zeros(0, dtype=torch.long, device=target.device)
+        self.lens = torch.zeros(0, dtype=torch.long, device=target.device)  # cached slots per row
+        self.base = torch.zeros(0, dtype=torch.long, device=target.device)  # position of slot 0 per row
         self.pending: torch.Tensor | None = None  # (B, n, F) features not yet in the cache
         self.pending_n = torch.zeros(0, dtype=torch.long, device=target.device)  # valid per row
 
@@ -314,8 +323,10 @@ class DFlashProposer:
         pos = torch.arange(features.shape[1], device=lens.device)[None].expand(len(rows), -1)
         kvcache.append(cache, self.drafter.context_kv(features, pos))  # padded past lens, masked by lens
         self.cache, self.lens = kvcache.concat([self.cache, cache], [self.lens, lens])
+        self.base = torch.cat([self.base, torch.zeros_like(lens)])
         self.pending = _cat_padded(self.pending, features[:, :0])
         self.pending_n = torch.cat([self.pending_n, torch.zeros_like(lens)])
+        self._bound()
 
     @torch.no_grad()
     def propose(self, engine: Engine, k: int):
@@ -324,9 +335,9 @@ class DFlashProposer:
         dev = engine.anchors.device
         block = torch.full((B, k + 1), self.mask_id, dtype=torch.long, device=dev)
         block[:, 0] = engine.anchors
-        pos = self.lens[:, None] + torch.arange(k + 1, device=dev)
+        pos = (self.base + self.lens)[:, None] + torch.arange(k + 1, device=dev)
         past = kvcache.physical_len(self.cache)
-        mask = kvcache.attention_mask(self.lens, past, k + 1, causal=False)
+        mask = self.drafter.layer_masks(lambda w: kvcache.attention_mask(self.lens, past, k + 1, False, w))
         ctx = [(layer.keys, layer.values) for layer in self.cache.layers]
         hidden = self.drafter(self.target.embed(block), pos, ctx, mask)
         logits = self.head(hidden[:, 1:].to(self.target.dtype))
@@ -356,6 +367,7 @@ class DFlashProposer:
 
     def select(self, idx):
         self.lens = kvcache.select_rows(self.cache, idx, self.lens)
+        self.base = self.base[idx]
         self.pending = self.pending[idx] if self.pending is not None else None
         self.pending_n = self.pending_n[idx]
 
@@ -365,12 +377,24 @@ class DFlashProposer:
         if self.pending is None or self.pending.shape[1] == 0:
             return
         n = self.pending.shape[1]
-        pos = self.lens[:, None] + torch.arange(n, device=self.lens.device)
+        pos = (self.base + self.lens)[:, None] + torch.arange(n, device=self.lens.device)
         past = kvcache.physical_len(self.cache)
         kvcache.append(self.cache, self.drafter.context_kv(self.pending, pos))
         self.lens = kvcache.commit(self.cache, self.lens, past, self.pending_n)
         self.pending = self.pending[:, :0]
         self.pending_n = torch.zeros_like(self.pending_n)
+        self._bound()
+
+    def _bound(self) -> None:
+        """Sliding-window drafters: drop context slots no block can see any more."""
+        if self.keep is not None and kvcache.physical_len(self.cache) > self.keep + self.slack:
+            drop = kvcache.drop_front(self.cache, self.lens, self.keep)
+            self.lens, self.base = self.lens - drop, self.base + drop
+
+    @property
+    def kv_bytes(self) -> int:
+        """Draft context K/V memory now held (benchmarks report it by context length)."""
+        return kvcache.nbytes(self.cache)
 
 
 class OracleProposer:

@@ -18,14 +18,21 @@ def physical_len(cache: DynamicCache) -> int:
     return 0 if layer is None or getattr(layer, "keys", None) is None or layer.keys.numel() == 0 else layer.keys.shape[-2]
 
 
-def attention_mask(lens: torch.Tensor, past: int, q_len: int, causal: bool) -> torch.Tensor:
+def attention_mask(lens: torch.Tensor, past: int, q_len: int, causal: bool,
+                   window: int | None = None) -> torch.Tensor:
     """(B, 1, q_len, past + q_len) boolean mask for queries appended after ``past`` slots.
 
     A query sees its row's valid prefix (slot < lens[b]) and, among the new block slots,
-    either everything (bidirectional, the drafter) or itself and earlier ones (causal)."""
+    either everything (bidirectional, the drafter) or itself and earlier ones (causal).
+    With a sliding ``window`` W, query i (at slot lens[b] + i) sees only prefix slots
+    s > lens[b] + i - W: the last W positions, itself included (slots are positions up to
+    a per-row offset, which cancels)."""
     B = lens.shape[0]
-    ctx = torch.arange(past, device=lens.device)[None, :] < lens[:, None]  # (B, past)
-    ctx = ctx[:, None, None, :].expand(B, 1, q_len, past)
+    slots = torch.arange(past, device=lens.device)
+    ctx = (slots[None, :] < lens[:, None])[:, None, None, :].expand(B, 1, q_len, past)
+    if window is not None:
+        first = lens[:, None] + torch.arange(q_len, device=lens.device)[None] - window  # (B, q_len)
+        ctx = ctx & (slots[None, None, None, :] > first[:, None, :, None])
     if causal:
         blk = torch.ones(q_len, q_len, dtype=torch.bool, device=lens.device).tril()
     else:
@@ -56,6 +63,30 @@ def commit(cache: DynamicCache, lens: torch.Tensor, past: int, keep: torch.Tenso
         layer.keys = layer.keys[..., :new_len, :]
         layer.values = layer.values[..., :new_len, :]
     return new_lens
+
+
+def drop_front(cache: DynamicCache, lens: torch.Tensor, keep: int) -> torch.Tensor:
+    """Keep only the last ``keep`` valid slots of every row (sliding-window caches): each
+    row's prefix shifts down by ``drop[b] = max(0, lens[b] - keep)`` and the tail is cropped.
+    Returns ``drop`` (the caller adds it to the row's position offset)."""
+    drop = (lens - keep).clamp(min=0)
+    if not bool(drop.any()):
+        return drop
+    new_len = int((lens - drop).max())
+    idx = (torch.arange(new_len, device=lens.device)[None] + drop[:, None])
+    idx = idx.clamp(max=physical_len(cache) - 1)
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            g = idx[:, None, :, None].expand(t.shape[0], t.shape[1], new_len, t.shape[3])
+            setattr(layer, name, t.gather(2, g))
+    return drop
+
+
+def nbytes(cache: DynamicCache) -> int:
+    """Bytes held by a cache's keys and values (draft KV memory in benchmarks)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values) if t is not None)
 
 
 def append(cache: DynamicCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -65,20 +65,28 @@ def sample_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     return Blocks(anchors, valid, labels.masked_fill(~inside, 0), inside & in_resp)
 
 
-def block_mask_dense(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def block_mask_dense(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+                     window: int | None = None) -> torch.Tensor:
     """(Bsz, 1, N*B, ctx_len + N*B) boolean: query of block j sees context slots < anchor_j
-    and the slots of block j; padded blocks see only themselves (their loss is masked)."""
+    and the slots of block j; padded blocks see only themselves (their loss is masked).
+    With a sliding ``window`` W the query at position a_j + i sees only context slots
+    s > a_j + i - W (the engine's rule, kvcache.attention_mask)."""
     Bsz, N = anchors.shape
     dev = anchors.device
     q_block = torch.arange(N * block_size, device=dev) // block_size  # (Q,)
     a = anchors.gather(1, q_block[None].expand(Bsz, -1))  # (Bsz, Q)
-    ctx = torch.arange(ctx_len, device=dev)[None, None, :] < a[:, :, None]
+    slots = torch.arange(ctx_len, device=dev)[None, None, :]
+    ctx = slots < a[:, :, None]
+    if window is not None:
+        q_pos = a + (torch.arange(N * block_size, device=dev) % block_size)[None]
+        ctx = ctx & (slots > (q_pos - window)[:, :, None])
     ctx = ctx & valid.gather(1, q_block[None].expand(Bsz, -1))[:, :, None]
     own = (q_block[:, None] == q_block[None, :])[None].expand(Bsz, -1, -1)
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
-def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int):
+def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+                    window: int | None = None):
     """The same mask as ``block_mask_dense`` as a flex-attention BlockMask (GPU path:
     memory grows with the visible blocks, not with (N*B) x (T + N*B))."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -89,6 +97,8 @@ def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, bl
     def mask_mod(b, h, q_idx, kv_idx):
         j = q_idx // block_size
         in_ctx = (kv_idx < ctx_len) & (kv_idx < anchors[b, j]) & valid[b, j]
+        if window is not None:
+            in_ctx = in_ctx & (kv_idx > anchors[b, j] + q_idx % block_size - window)
         same_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == j)
         return in_ctx | same_block
 
@@ -130,7 +140,8 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     block_pos = blocks.anchors[..., None] + torch.arange(Bk, device=dev)
     ctx_pos = torch.arange(T, device=dev)[None].expand(Bsz, -1)
     ctx_kv = drafter.context_kv(features, ctx_pos)
-    mask = (block_mask_flex if use_flex else block_mask_dense)(blocks.anchors, blocks.valid, T, Bk)
+    build = block_mask_flex if use_flex else block_mask_dense
+    mask = drafter.layer_masks(lambda w: build(blocks.anchors, blocks.valid, T, Bk, w))
     with torch.no_grad():
         x = embed(block_ids.flatten(1))
     hidden = drafter(x, block_pos.flatten(1), ctx_kv, mask).view(Bsz, N, Bk, -1)[:, :, 1:]

@@ -99,17 +99,25 @@ def test_mismatched_drafter_is_refused_naming_the_field(tmp_path, tiny, field, c
 
 
 @pytest.mark.parametrize("field, change", [
-    ("layer_types\\[1\\]='sliding_attention'", lambda c: c.update(layer_types=["full_attention", "sliding_attention"],
-                                                                sliding_window=64)),
-    ("dflash_config.use_swa=True", lambda c: c["dflash_config"].update(use_swa=True, swa_window_size=64)),
+    ("layer_types\\[1\\]='chunked_attention'", lambda c: c.update(layer_types=["full_attention", "chunked_attention"])),
+    # vLLM runs sliding layers causally unless the config says otherwise
+    ("no dflash_config.causal", lambda c: c.update(layer_types=["full_attention", "sliding_attention"],
+                                                   sliding_window=64)),
+    ("sliding_window: expected an int >= block_size", lambda c: (c.update(layer_types=["sliding_attention"] * 2,
+                                                                          sliding_window=4),
+                                                                 c["dflash_config"].update(causal=False))),
+    ("sliding_window: 1000000 is larger than the context", lambda c: (c.update(sliding_window=1000000),
+                                                                      c["dflash_config"].update(use_swa=True))),
+    ("neither dflash_config.swa_window_size nor sliding_window", lambda c: c["dflash_config"].update(use_swa=True)),
+    ("add_swa_attention_sink_bias", lambda c: c.update(add_swa_attention_sink_bias=True)),
     ("dflash_config.causal=True", lambda c: c["dflash_config"].update(causal=True)),
     ("is_causal=True", lambda c: c.update(is_causal=True)),
     ("rope_parameters.rope_type='yarn'", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0)),
     ("rope_scaling.rope_type='linear'", lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0})),
 ])
 def test_published_attention_we_do_not_compute_is_refused(tmp_path, tiny, field, change):
-    """A drafter asking for sliding-window or causal draft layers or scaled RoPE must not
-    silently run as full bidirectional attention with plain RoPE."""
+    """A drafter asking for causal draft layers, attention sinks, a bad window or scaled
+    RoPE must not silently run as bidirectional attention with plain RoPE."""
     t = tiny("llama")
     save_drafter(random_drafter(t), tmp_path / "d")
     cfg_path = tmp_path / "d" / "config.json"
