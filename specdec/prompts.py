@@ -5,6 +5,11 @@ conversation to one or more :class:`Prompt` objects in OpenAI chat format that e
 user turn. Sources:
 
 * ``"sharegpt"`` / ``"humaneval"``: the embedded defaults from :mod:`specdec.assets`;
+* ``"longctx"``: the embedded long-context set (:mod:`specdec.longctx`): long ShareGPT
+  conversations and standard-library source files, each followed by a question, in buckets of
+  about 1K, 2K, 4K and 8K tokens (ids ``longctx-<k>k-...``; :func:`specdec.longctx.longctx_bucket`).
+  Its prompts are long by design, so the default ``max_prompt_chars="auto"`` applies no cap to
+  it (an explicit cap still applies: a recipe that reads it sets ``max_prompt_chars: null``);
 * ``*.json``: a ShareGPT-style list of ``{"id", "conversations": [{"from", "value"}]}``;
 * ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``: rows with ``messages`` (OpenAI chat list),
   ``prompt`` (a string, one user turn) or ``conversations`` (ShareGPT list), optional ``id``;
@@ -29,23 +34,25 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
-from specdec import assets
+from specdec import assets, longctx
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("all", "train", "holdout")
-BUILTIN_SOURCES = ("sharegpt", "humaneval")
+BUILTIN_SOURCES = ("sharegpt", "humaneval", "longctx")
+DEFAULT_MAX_PROMPT_CHARS = 8000  # what max_prompt_chars="auto" means, except for the sources below
+_UNCAPPED_SOURCES = ("longctx",)  # long by design: "auto" applies no cap
 
 # Row fields that can carry a conversation, in order of preference.
 _ROW_FIELDS = ("messages", "conversations", "prompt")
 _ACCEPTED_SOURCES = (
-    "'sharegpt', 'humaneval', or a path to a .json (ShareGPT list), .jsonl, .jsonl.gz or "
+    "'sharegpt', 'humaneval', 'longctx', or a path to a .json (ShareGPT list), .jsonl, .jsonl.gz or "
     ".parquet file, or a directory written by datasets' save_to_disk"
 )
 _EXPECTED_FIELDS = (
@@ -105,7 +112,7 @@ def load_prompts(
     limit: int | None = None,
     skip: int = 0,
     multi_turn: bool = False,
-    max_prompt_chars: int | None = 8000,
+    max_prompt_chars: int | None | Literal["auto"] = "auto",
     min_prompt_chars: int = 1,
     dedup: bool = True,
 ) -> list[Prompt]:
@@ -133,7 +140,7 @@ def iter_prompts(
     split: str = "all",
     holdout_fraction: float = 0.05,
     multi_turn: bool = False,
-    max_prompt_chars: int | None = 8000,
+    max_prompt_chars: int | None | Literal["auto"] = "auto",
     min_prompt_chars: int = 1,
     dedup: bool = True,
 ) -> Iterator[Prompt]:
@@ -145,8 +152,12 @@ def iter_prompts(
     all message contents. The split hashes the *conversation* id, so all turns of one
     conversation land in the same split and holdout context never appears in train.
 
+    ``max_prompt_chars="auto"``: :data:`DEFAULT_MAX_PROMPT_CHARS`, or no cap for ``"longctx"``.
+
     Arguments and the source are checked, and the source parsed, before this returns.
     """
+    if max_prompt_chars == "auto":
+        max_prompt_chars = None if source in _UNCAPPED_SOURCES else DEFAULT_MAX_PROMPT_CHARS
     _check_args(split, holdout_fraction, max_prompt_chars, min_prompt_chars)
     parsed = _load(source)
     return _generate(
@@ -255,6 +266,8 @@ def _resolve(source: str) -> tuple[str, Path]:
         return "json", assets.sharegpt_json()
     if source == "humaneval":
         return "humaneval", assets.humaneval_jsonl()
+    if source == "longctx":
+        return "longctx", assets.sharegpt_json()  # plus the standard library, see specdec.longctx
     path = Path(source).expanduser()
     name = path.name.lower()
     if name.endswith(".json"):
@@ -464,8 +477,15 @@ def _read_arrow_dir(directory: Path) -> Iterator[dict]:
         yield from _read_arrow_rows(path)
 
 
+def _read_longctx(sharegpt: Path) -> list[dict]:
+    # The ShareGPT parse is the cached one that source "sharegpt" uses (one read of 125 MB).
+    parsed = _parse_cached("json", str(sharegpt), _stamp(sharegpt))
+    return longctx.build_rows((c.id, c.turns) for c in parsed.conversations)
+
+
 _READERS = {
     "json": _read_json_list,
+    "longctx": _read_longctx,
     "humaneval": _read_humaneval,
     "jsonl": _read_jsonl,
     "parquet": _read_parquet,
