@@ -12,7 +12,9 @@ side by side, interleaved, with the real engine: exactness (greedy token identit
 on every prompt), tau and speedup vs ar. The challenger is promoted (@champion moves to it,
 @previous keeps the old champion) only when it is exact and its --metric beats the
 champion's by --margin (relative); with no champion yet the bar is the target alone
-(speedup >= 1 + margin), so a promotion never makes serving slower than AR.
+(speedup >= 1 + margin), so a promotion never makes serving slower than AR. With several
+--prompts sets (sharegpt,longctx; the default for a context=long challenger) it must beat
+the champion by --margin on at least one set and lose no more than --tolerance on any.
 Exit codes: 0 promoted / would promote (--dry-run) / listed / rolled back; 1 refused (the
 reason is printed); 2 usage or registry errors.
 """
@@ -34,7 +36,7 @@ FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from pipelines.promote import DEFAULT_MARGIN, DEFAULT_METRIC, METRICS
+    from pipelines.promote import DEFAULT_MARGIN, DEFAULT_METRIC, DEFAULT_TOLERANCE, METRICS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = ap.add_mutually_exclusive_group()
@@ -49,8 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
                     help="dtype to load the target in (its identity must match training's)")
     ap.add_argument("--challenger", default="latest", help="version number, 'latest' or an alias (default: latest)")
-    ap.add_argument("--prompts", default="sharegpt",
-                    help="held-out prompts: sharegpt (holdout split) | humaneval | path (.jsonl, .json, .parquet)")
+    ap.add_argument("--prompts", default=None,
+                    help="held-out prompts: sharegpt (holdout split) | humaneval | longctx | path (.jsonl, .json, "
+                         ".parquet), or several separated by commas (sharegpt,longctx), each measured side by side "
+                         "(default: sharegpt; sharegpt,longctx for a challenger tagged context=long)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None, help="draft block size (default: each drafter's own)")
@@ -60,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                     help=f"relative improvement required over the champion (default: {DEFAULT_MARGIN} = "
                          f"{DEFAULT_MARGIN * 100:g}%%)")
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                    help="several prompt sets: the challenger must beat the champion by --margin on at least one "
+                         "and lose no more than this (relative) on any (default: "
+                         f"{DEFAULT_TOLERANCE} = {DEFAULT_TOLERANCE * 100:g}%%)")
     ap.add_argument("--dry-run", action="store_true", help="evaluate and log, decide, but move no alias")
     ap.add_argument("--tracking-uri", default=None,
                     help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else the embedded sqlite)")
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             tracking_uri=args.tracking_uri, model=name, target=args.target, target_dtype=args.target_dtype,
             challenger=args.challenger, prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
-            margin=args.margin, metric=args.metric, dry_run=args.dry_run, experiment=args.experiment,
+            margin=args.margin, metric=args.metric, tolerance=args.tolerance, dry_run=args.dry_run, experiment=args.experiment,
             seed=args.seed, out=args.out)
         try:
             outcome = P.promote(cfg)

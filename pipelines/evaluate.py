@@ -198,6 +198,16 @@ def evaluate_versions(tracking_uri: str, state: ModelState, challenger: str, cha
                       settings: EvalSettings, workdir: Path):
     """Check lineage, load the target and both drafters, measure side by side.
     Returns (report, target)."""
+    reports, target = evaluate_versions_on(tracking_uri, state, challenger, champion, settings, workdir,
+                                           [settings.prompts])
+    return reports[settings.prompts], target
+
+
+def evaluate_versions_on(tracking_uri: str, state: ModelState, challenger: str, champion: str | None,
+                         settings: EvalSettings, workdir: Path, prompt_sets: list[str]):
+    """:func:`evaluate_versions` on several prompt sets: the lineage is checked and the
+    target and drafters loaded once, then one side-by-side :func:`measure` per set (each
+    set's prompts are read before anything is measured). Returns ({set: report}, target)."""
     from specdec.bench import BenchError, load_prompt_ids
     from specdec.checkpoint import DrafterMismatchError, load_drafter
 
@@ -223,20 +233,25 @@ def evaluate_versions(tracking_uri: str, state: ModelState, challenger: str, cha
             raise EvaluationError(f"{name} v{version}: cannot load its drafter: {e}") from None
         candidates.append(Candidate(f"dflash:v{version}", role, version, drafter,
                                     settings.block_size or drafter.config.block_size))
-    try:
-        prompt_ids, prompts = load_prompt_ids(target, settings.prompts, settings.num_prompts)
-    except BenchError as e:
-        raise EvaluationError(str(e)) from None
-    log.info("measuring ar + %s on %d prompts x %d tokens", ", ".join(c.label for c in candidates),
-             len(prompts), settings.max_new_tokens)
-    report = measure(target, candidates, prompts, prompt_ids, settings.max_new_tokens, settings.prompts,
-                     batch_size=settings.batch_size, seed=settings.seed)
-    return report, target
+    loaded = {}
+    for source in prompt_sets:
+        try:
+            loaded[source] = load_prompt_ids(target, source, settings.num_prompts)
+        except BenchError as e:
+            raise EvaluationError(str(e)) from None
+    reports = {}
+    for source, (prompt_ids, prompts) in loaded.items():
+        log.info("measuring ar + %s on %d prompts from %s x %d tokens", ", ".join(c.label for c in candidates),
+                 len(prompts), source, settings.max_new_tokens)
+        reports[source] = measure(target, candidates, prompts, prompt_ids, settings.max_new_tokens, source,
+                                  batch_size=settings.batch_size, seed=settings.seed)
+    return reports, target
 
 
 # ============================================================================ the record
 def log_evaluation(tracking_uri: str, name: str, report: dict, evals: dict[str, Evaluation], settings: EvalSettings,
-                   decision: dict, workdir: Path, experiment: str, out_dir: str | None = None) -> str:
+                   decision: dict, workdir: Path, experiment: str, out_dir: str | None = None,
+                   label: str | None = None) -> str:
     """The evaluation's MLflow run (metrics, benchmark JSON + PNG, the ``decision`` taken on
     it: promote, reason, metric, margin) and each measured version's ``eval.*`` tags."""
     from mlflow.entities import Metric, Param
@@ -246,7 +261,7 @@ def log_evaluation(tracking_uri: str, name: str, report: dict, evals: dict[str, 
     uri = tracking_uri
     ch = evals["challenger"]
     champ = evals.get("champion")
-    run_name = f"eval-v{ch.version}" + (f"-vs-v{champ.version}" if champ else "-first")
+    run_name = f"eval-v{ch.version}" + (f"-vs-v{champ.version}" if champ else "-first") + (f"-{label}" if label else "")
     tags = {"dflash.kind": "promotion-eval", "dflash.model_name": name, "dflash.challenger_version": ch.version,
             "dflash.champion_version": champ.version if champ else "", "dflash.model_version": f"{name}/{ch.version}",
             "dflash.target_identity": report["config"]["target_identity"], "dflash.decision":

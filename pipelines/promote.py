@@ -27,6 +27,12 @@ Decision rule (:func:`decide`):
    champion's, measured in the same run, by the relative ``margin``:
    ``challenger >= champion * (1 + margin)`` (default margin 0.02 = 2%).
 
+Several prompt sets (``prompts: "sharegpt,longctx"``; the default for a challenger tagged
+``context: long``) are measured one after the other with the same loaded drafters, and
+:func:`decide_sets` applies: exact on every set; with a champion, beat it by the margin on
+at least one set AND lose no more than ``tolerance`` (relative, default 5%) on any set;
+with no champion, beat the target alone by the margin on every set.
+
 Alias moves are all-or-nothing as far as the user can see: the registry is checked and
 everything is read before anything is written; then ``@previous`` <- old champion, then
 ``@champion`` <- challenger; if the second write fails the first is undone. Serving only
@@ -44,19 +50,22 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipelines import registry
 from pipelines.evaluate import (EVAL_TAG_PREFIX, EvalSettings, Evaluation, EvaluationError,  # noqa: F401
-                                TargetMismatch, evaluate_versions, evaluations_from_report, log_evaluation,
-                                short_identity)
+                                TargetMismatch, evaluate_versions, evaluate_versions_on, evaluations_from_report,
+                                log_evaluation, short_identity)
 from pipelines.registry import CHAMPION, PREVIOUS, ModelState, read_model, resolve_version, set_aliases
 
 log = logging.getLogger(__name__)
 METRICS = ("speedup", "tau")
 DEFAULT_METRIC = "speedup"
 DEFAULT_MARGIN = 0.02  # relative: the challenger must be >= 2% better than the champion
+DEFAULT_TOLERANCE = 0.05  # several prompt sets: the most the challenger may lose on any of them (relative)
+DEFAULT_PROMPTS = "sharegpt"
+LONG_CONTEXT_PROMPTS = ("sharegpt", "longctx")  # a challenger tagged context: long is measured on both
 DECISION_TAG_PREFIX = "promotion."
 
 
@@ -88,15 +97,23 @@ class Decision:
     reason: str
     metric: str
     margin: float
+    tolerance: float | None = None  # several prompt sets only
+    sets: dict = field(default_factory=dict)  # prompt set -> {challenger, champion, gain, result}
+
+
+def _check_rule(metric: str, margin: float, tolerance: float = 0.0) -> None:
+    if metric not in METRICS:
+        raise PromoteError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    if margin < 0:
+        raise PromoteError(f"--margin must be >= 0, got {margin}")
+    if not 0 <= tolerance < 1:
+        raise PromoteError(f"--tolerance must be in [0, 1), got {tolerance}")
 
 
 def decide(challenger: Evaluation, champion: Evaluation | None, metric: str = DEFAULT_METRIC,
            margin: float = DEFAULT_MARGIN) -> Decision:
     """The promotion rule (see the module docstring); pure, so it is tested directly."""
-    if metric not in METRICS:
-        raise PromoteError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    if margin < 0:
-        raise PromoteError(f"--margin must be >= 0, got {margin}")
+    _check_rule(metric, margin)
     d = lambda ok, why: Decision(ok, why, metric, margin)  # noqa: E731
     if not challenger.exact:
         where = (f" (first mismatch at prompt {challenger.first_mismatch[0]}, token {challenger.first_mismatch[1]})"
@@ -129,6 +146,81 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def decide_sets(results: dict[str, tuple[Evaluation, Evaluation | None]], metric: str = DEFAULT_METRIC,
+                margin: float = DEFAULT_MARGIN, tolerance: float = DEFAULT_TOLERANCE) -> Decision:
+    """The rule on several prompt sets (``{set: (challenger, champion or None)}``, each
+    pair measured in one run; see the module docstring). One set is :func:`decide`
+    exactly. Pure, so it is tested directly."""
+    _check_rule(metric, margin, tolerance)
+    if not results:
+        raise PromoteError("no prompt set was evaluated")
+    if len(results) == 1:
+        (name, (ch, champ)), = results.items()
+        out = decide(ch, champ, metric, margin)
+        out.sets = {name: _set_numbers(ch, champ, metric, margin, tolerance)}
+        return out
+    d = lambda ok, why, sets: Decision(ok, why, metric, margin, tolerance, sets)  # noqa: E731
+    sets = {name: _set_numbers(ch, champ, metric, margin, tolerance) for name, (ch, champ) in results.items()}
+    first = next(iter(results.values()))[0]
+    v = first.version
+    for name, (ch, _) in results.items():
+        if not ch.exact:
+            where = (f" (first mismatch at prompt {ch.first_mismatch[0]}, token {ch.first_mismatch[1]})"
+                     if ch.first_mismatch else "")
+            return d(False, f"v{v} is not exact on {name}: its greedy output differs from the target alone{where}; "
+                            "an inexact drafter is never promoted", sets)
+    champs = {c.version if c is not None else None for _, c in results.values()}
+    if champs == {None}:  # the bar is the target alone, on every set
+        need = 1 + margin
+        desc = "; ".join(f"{n} {ch.speedup:.3f}x (tau {_fmt(ch.tau)})" for n, (ch, _) in results.items())
+        slow = [n for n, (ch, _) in results.items() if ch.speedup < need]
+        if not slow:
+            return d(True, f"v{v} is exact and faster than the target alone on every prompt set: {desc} (no "
+                           f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x)", sets)
+        return d(False, f"v{v} is exact but not faster than the target alone on {', '.join(slow)}: {desc} (no "
+                        f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x on every set)", sets)
+    if len(champs) != 1 or None in champs:
+        raise PromoteError(f"prompt sets were measured against different champions: {sorted(map(str, champs))}")
+    c = champs.pop()
+    if c == v:
+        return d(False, f"v{v} is already @{CHAMPION}", sets)
+    wins = [n for n, x in sets.items() if x["result"] == "better"]
+    losses = [n for n, x in sets.items() if x["result"] == "worse"]
+    unit = "x" if metric == "speedup" else ""
+
+    def show(n, with_loss=False):
+        x = sets[n]
+        tail = f", {x['gain']:+.1%} > {tolerance:.0%}" if with_loss else f", {x['gain']:+.1%}"
+        return f"{n} ({metric} {x['challenger']:.3f}{unit} vs {x['champion']:.3f}{unit}{tail})"
+
+    inexact = [n for n, (_, champ) in results.items() if not champ.exact]
+    note = f"; note: champion v{c} measured inexact on {', '.join(inexact)}" if inexact else ""
+    if wins and not losses:
+        rest = [n for n in sets if n not in wins]
+        within = f"; within {tolerance:.0%} on {', '.join(show(n) for n in rest)}" if rest else ""
+        return d(True, f"v{v} is exact and beats v{c} on {', '.join(show(n) for n in wins)}{within}{note}", sets)
+    if wins:
+        return d(False, f"v{v} beats v{c} on {', '.join(show(n) for n in wins)} but loses on "
+                        f"{', '.join(show(n, True) for n in losses)}{note}", sets)
+    lost = f"; loses more than {tolerance:.0%} on {', '.join(losses)}" if losses else ""
+    return d(False, f"v{v} is exact but not better by the margin on any prompt set (margin {margin:.0%}): "
+                    f"{', '.join(show(n) for n in sets)}{lost}{note}", sets)
+
+
+def _set_numbers(ch: Evaluation, champ: Evaluation | None, metric: str, margin: float, tolerance: float) -> dict:
+    """One prompt set's numbers for the decision record: vs the champion, else vs the target alone."""
+    if champ is None:
+        new, old = ch.speedup, 1.0
+        result = "better" if new >= old * (1 + margin) else "worse"
+        return {"challenger": new, "champion": None, "vs": "ar", "metric": "speedup", "gain": new / old - 1,
+                "result": result, "exact": ch.exact}
+    new, old = ch.metric(metric), champ.metric(metric)
+    gain = (new / old - 1) if old else float("inf")
+    result = ("better" if new >= old * (1 + margin) else "worse" if new < old * (1 - tolerance) else "within")
+    return {"challenger": new, "champion": old, "vs": f"v{champ.version}", "metric": metric, "gain": gain,
+            "result": result, "exact": ch.exact}
+
+
 # ============================================================================ the job
 @dataclass
 class PromoteConfig:
@@ -137,23 +229,29 @@ class PromoteConfig:
     target: str | None = None  # None: the model's lineage (target_model tag), else the embedded default
     target_dtype: str = "float32"
     challenger: str = "latest"
-    prompts: str = "sharegpt"  # sharegpt (holdout split) | humaneval | a path
+    # sharegpt (holdout split) | humaneval | longctx | a path, or several: "sharegpt,longctx" / a list;
+    # None: sharegpt, and sharegpt + longctx for a challenger tagged context: long
+    prompts: str | list[str] | None = None
     num_prompts: int = 8
     max_new_tokens: int = 64
     block_size: int | None = None  # None: each drafter's own block size
     batch_size: int = 1
     margin: float = DEFAULT_MARGIN
     metric: str = DEFAULT_METRIC
+    tolerance: float = DEFAULT_TOLERANCE  # several prompt sets: the most the challenger may lose on any
     dry_run: bool = False
     experiment: str | None = None  # None: <model>-promotion
     seed: int = 0
     out: str | None = None  # also keep benchmark.json/png in this directory
 
     def __post_init__(self):
-        if self.metric not in METRICS:
-            raise PromoteError(f"--metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
-        if self.margin < 0:
-            raise PromoteError(f"--margin must be >= 0, got {self.margin}")
+        _check_rule(self.metric, self.margin, self.tolerance)
+        if self.prompts is not None:
+            sets = self.prompts.split(",") if isinstance(self.prompts, str) else list(self.prompts)
+            sets = [str(x).strip() for x in sets]
+            if not sets or any(not x for x in sets) or len(set(sets)) != len(sets):
+                raise PromoteError(f"--prompts: expected distinct prompt sets separated by commas, got {self.prompts!r}")
+            self.prompts = sets
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise PromoteError(f"--{name.replace('_', '-')} must be >= 1")
@@ -171,10 +269,25 @@ class PromoteConfig:
     def model_name(self) -> str:
         return model_name(self.model, self.target)
 
+    def prompt_sets(self, challenger_tags: dict | None = None) -> list[str]:
+        """The prompt sets to measure on: ``prompts`` as given, else ``sharegpt`` (and
+        ``longctx`` too for a challenger tagged ``context: long``)."""
+        if self.prompts is not None:
+            return list(self.prompts)
+        if (challenger_tags or {}).get("context") == "long":
+            return list(LONG_CONTEXT_PROMPTS)
+        return [DEFAULT_PROMPTS]
+
     @property
     def settings(self) -> EvalSettings:
-        return EvalSettings(self.target, self.target_dtype, self.prompts, self.num_prompts, self.max_new_tokens,
+        first = self.prompts[0] if self.prompts else DEFAULT_PROMPTS
+        return EvalSettings(self.target, self.target_dtype, first, self.num_prompts, self.max_new_tokens,
                             self.block_size, self.batch_size, self.seed)
+
+
+def set_label(source: str) -> str:
+    """A prompt set's short name: built-in names as they are, a file by its stem."""
+    return Path(source).stem if ("/" in source or "." in source) else source
 
 
 def model_name(model: str | None, target: str | None) -> str:
@@ -194,17 +307,21 @@ class Outcome:
     champion_before: str | None
     previous_before: str | None
     decision: Decision
-    evaluations: dict[str, Evaluation]
+    evaluations: dict[str, Evaluation]  # role -> numbers on the first prompt set
     run_id: str | None
-    report: dict
+    report: dict  # the first prompt set's
     promoted: bool
     dry_run: bool
     aliases_after: dict[str, str]
     experiment: str = ""
+    by_set: dict[str, dict[str, Evaluation]] = field(default_factory=dict)  # prompt set -> role -> numbers
+    reports: dict[str, dict] = field(default_factory=dict)  # prompt set -> report
+    run_ids: dict[str, str] = field(default_factory=dict)  # prompt set -> evaluation run
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("report")
+        d.pop("reports")
         return d
 
 
@@ -231,17 +348,31 @@ def promote(cfg: PromoteConfig) -> Outcome:
     if champion is not None and champion not in state.versions:
         raise registry.RegistryError(f"@{CHAMPION} of {name} points at v{champion}, which does not exist")
 
+    sources = cfg.prompt_sets(state.versions[challenger].tags)
+    labels = [set_label(x) for x in sources]
+    if len(set(labels)) != len(labels):
+        labels = list(sources)
     with tempfile.TemporaryDirectory(prefix="dflash-promote-") as tmp:
         try:
-            report, target = evaluate_versions(uri, state, challenger, champion, cfg.settings, Path(tmp))
+            reports, target = evaluate_versions_on(uri, state, challenger, champion, cfg.settings, Path(tmp),
+                                                   sources)
         except TargetMismatch as e:  # recorded on the version, so that --list shows why
             refusal = Decision(False, str(e), cfg.metric, cfg.margin)
             _best_effort(lambda: _tag_decision(uri, name, challenger, refusal, "refused"))
             raise
-        evals = evaluations_from_report(report)
-        decision = decide(evals["challenger"], evals.get("champion"), cfg.metric, cfg.margin)
-        run_id = log_evaluation(uri, name, report, evals, cfg.settings, asdict(decision), Path(tmp),
-                                experiment, cfg.out)
+        by_set = {lab: evaluations_from_report(reports[src]) for lab, src in zip(labels, sources)}
+        decision = decide_sets({lab: (e["challenger"], e.get("champion")) for lab, e in by_set.items()},
+                               cfg.metric, cfg.margin, cfg.tolerance)
+        run_ids = {}
+        for lab, src in zip(labels, sources):  # one evaluation run per prompt set
+            many = len(sources) > 1
+            run_ids[lab] = log_evaluation(
+                uri, name, reports[src], by_set[lab], replace(cfg.settings, prompts=src), asdict(decision),
+                Path(tmp) / lab, experiment, (str(Path(cfg.out) / lab) if many else cfg.out) if cfg.out else None,
+                label=lab if many else None)
+        if len(sources) > 1:
+            _best_effort(lambda: _tag_sets(uri, name, by_set))
+        evals, report, run_id = by_set[labels[0]], reports[sources[0]], run_ids[labels[0]]
 
     promoted = False
     if decision.promote and not cfg.dry_run:
@@ -261,10 +392,24 @@ def promote(cfg: PromoteConfig) -> Outcome:
     outcome = Outcome(model=name, tracking_uri=uri, challenger=challenger, champion_before=champion,
                       previous_before=state.previous, decision=decision, evaluations=evals, run_id=run_id,
                       report=report, promoted=promoted, dry_run=cfg.dry_run, aliases_after=after,
-                      experiment=experiment)
+                      experiment=experiment, by_set=by_set, reports=dict(zip(labels, (reports[x] for x in sources))),
+                      run_ids=run_ids)
     if not decision.promote:
         raise RefusedWithOutcome(decision.reason, outcome)
     return outcome
+
+
+def _tag_sets(uri: str, name: str, by_set: dict[str, dict[str, Evaluation]]) -> None:
+    """Each measured version's numbers on every prompt set (``eval.*`` tags hold the last set's)."""
+    for role in ("challenger", "champion"):
+        per = {lab: e[role] for lab, e in by_set.items() if role in e}
+        if not per:
+            continue
+        version = next(iter(per.values())).version
+        summary = "; ".join(f"{lab}: tau {_fmt(e.tau)}, speedup {e.speedup:.3f}x, exact {str(e.exact).lower()}"
+                            for lab, e in per.items())
+        registry.set_version_tags(uri, name, version, {EVAL_TAG_PREFIX + "sets": summary[:5000],
+                                                       EVAL_TAG_PREFIX + "prompts": ",".join(per)})
 
 
 def _pin_target(uri: str, name: str, state: ModelState, target, version: str) -> None:
@@ -319,7 +464,8 @@ def rollback(tracking_uri: str | None, name: str) -> Rollback:
     return Rollback(name, champion or "-", previous, champion or "-")
 
 
-LIST_COLUMNS = ("version", "aliases", "created", "target", "run", "tau", "speedup", "exact", "vs", "decision")
+LIST_COLUMNS = ("version", "aliases", "created", "target", "run", "context", "parent", "tau", "speedup", "exact",
+                "vs", "decision")
 
 
 def list_versions(tracking_uri: str | None, name: str) -> list[dict]:
@@ -336,6 +482,7 @@ def list_versions(tracking_uri: str | None, name: str) -> list[dict]:
             "version": v, "aliases": ",".join(f"@{a}" for a in state.aliases_of(v)) or "-", "created": created,
             "target": short_identity(t.get("target_identity")).rstrip("."),
             "run": t.get("run_name") or (mv.run_id or "-")[:12],
+            "context": t.get("context", "-"), "parent": f"v{t['parent_version']}" if t.get("parent_version") else "-",
             "tau": t.get("eval.tau", "-"), "speedup": t.get("eval.speedup", "-"), "exact": t.get("eval.exact", "-"),
             "vs": t.get("eval.vs", "-"), "decision": t.get("promotion.decision", "-"),
             "lineage": {k: t[k] for k in registry.LINEAGE_KEYS if k in t},
@@ -355,28 +502,34 @@ def format_table(rows: list[dict], columns=LIST_COLUMNS) -> str:
 
 
 def format_evaluation(outcome: Outcome) -> str:
-    """The side-by-side table and the decision, for the terminal."""
-    r = outcome.report
-    cfg = r["config"]
-    lines = [f"{outcome.model} at {outcome.tracking_uri}: challenger v{outcome.challenger} vs "
-             + (f"@{CHAMPION} v{outcome.champion_before}" if outcome.champion_before else "no champion")
-             + f" | {cfg['num_prompts_used']} prompts from {cfg['prompts']}, {cfg['max_new_tokens']} new tokens each, "
-             "greedy, one interleaved run",
-             f"{'method':<14}{'role':<12}{'block':>6}{'tok/s':>10}{'speedup':>9}{'tau':>7}  exact"]
-    for x in r["results"]:
-        exact = "-" if x["method"] == "ar" else str(r["exactness"]["equal"][x["method"]]).lower()
-        lines.append(f"{x['method']:<14}{x['role']:<12}{x['block_size'] or '-':>6}{x['tokens_per_s']:>10.2f}"
-                     f"{x['speedup_vs_ar']:>8.3f}x{_fmt(x['tau_mean']):>7}  {exact}")
-    for m, c in r["cost_terms"].items():
-        if m != "L_ar_s":
-            lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
-                         f"{c['r_o']:.2f} -> predicted {c['predicted_speedup']:.2f}x")
+    """The side-by-side table (one per prompt set) and the decision, for the terminal."""
+    lines = []
+    for r in (outcome.reports or {"": outcome.report}).values():
+        cfg = r["config"]
+        lines += [f"{outcome.model} at {outcome.tracking_uri}: challenger v{outcome.challenger} vs "
+                  + (f"@{CHAMPION} v{outcome.champion_before}" if outcome.champion_before else "no champion")
+                  + f" | {cfg['num_prompts_used']} prompts from {cfg['prompts']}, {cfg['max_new_tokens']} new tokens "
+                  "each, greedy, one interleaved run",
+                  f"{'method':<14}{'role':<12}{'block':>6}{'tok/s':>10}{'speedup':>9}{'tau':>7}  exact"]
+        for x in r["results"]:
+            exact = "-" if x["method"] == "ar" else str(r["exactness"]["equal"][x["method"]]).lower()
+            lines.append(f"{x['method']:<14}{x['role']:<12}{x['block_size'] or '-':>6}{x['tokens_per_s']:>10.2f}"
+                         f"{x['speedup_vs_ar']:>8.3f}x{_fmt(x['tau_mean']):>7}  {exact}")
+        for m, c in r["cost_terms"].items():
+            if m != "L_ar_s":
+                lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
+                             f"{c['r_o']:.2f} -> predicted {c['predicted_speedup']:.2f}x")
     d = outcome.decision
     verdict = ("PROMOTED" if outcome.promoted else "WOULD PROMOTE (dry run, aliases untouched)" if d.promote
                else "REFUSED")
-    lines.append(f"decision ({d.metric}, margin {d.margin:.0%}): {verdict}: {d.reason}")
+    rule = f"{d.metric}, margin {d.margin:.0%}" + (f", tolerance {d.tolerance:.0%}" if d.tolerance is not None else "")
+    lines.append(f"decision ({rule}): {verdict}: {d.reason}")
     if outcome.promoted:
         lines.append(f"aliases: @{CHAMPION} -> v{outcome.challenger}"
                      + (f", @{PREVIOUS} -> v{outcome.champion_before}" if outcome.champion_before else ""))
-    lines.append(f"evaluation run: {outcome.run_id} (experiment {outcome.experiment})")
+    if len(outcome.run_ids) > 1:
+        lines.append("evaluation runs: " + ", ".join(f"{k} {v}" for k, v in outcome.run_ids.items())
+                     + f" (experiment {outcome.experiment})")
+    else:
+        lines.append(f"evaluation run: {outcome.run_id} (experiment {outcome.experiment})")
     return "\n".join(lines)

@@ -30,7 +30,8 @@ _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<ve
 #: config.json "dflash_ray" keys that become model-version tags (the lineage)
 LINEAGE_KEYS = ("target_identity", "target_model", "features_uri", "features_manifest_sha256", "config_sha256",
                 "git_commit", "run_name", "mlflow_run_id", "holdout_tau", "best_step", "block_size",
-                "num_layers", "target_layer_ids", "checkpoint")
+                "num_layers", "target_layer_ids", "checkpoint", "parent_version", "parent_uri", "parent_drafter",
+                "context")
 
 _PARAM_MAX = 6000  # MLflow's limit on a parameter value
 
@@ -415,6 +416,21 @@ def drafter_cache() -> Path:
     from specdec.target import cache_root
 
     return cache_root() / "drafters"
+
+
+def resolve_drafter(tracking_uri: str, uri: str, dst: str | Path | None = None) -> tuple[Path, str, str]:
+    """``models:/name@alias`` or ``models:/name/<version>`` -> (the drafter directory,
+    downloaded once into the drafter cache, the model name, the version number it
+    resolved to). ``NotFound`` when the model, alias or version does not exist."""
+    name, alias, version = parse_models_uri(uri)
+    if alias is not None:
+        version = alias_version(tracking_uri, name, alias)
+    else:
+        db = sqlite_file(tracking_uri)
+        if db is not None and not db.exists():
+            raise NotFound(f"{uri}: no registry database at {db}")
+        call(tracking_uri, f"reading {uri}", lambda: client(tracking_uri).get_model_version(name, str(version)))
+    return download_version(tracking_uri, name, str(version), dst), name, str(version)
 
 
 def find_drafter_dir(root: str | Path) -> Path:

@@ -143,7 +143,8 @@ def load_prompt_ids(target: Target, source: str, n: int) -> tuple[list[str], lis
     """``n`` prompts from ``source`` rendered with the target's chat template."""
     from specdec.prompts import load_prompts
 
-    split = "holdout" if source == "sharegpt" else "all"
+    # built-in sets that training draws from (sharegpt; longctx, LongAlign adaptation): their holdout split
+    split = "holdout" if source in ("sharegpt", "longctx") else "all"
     try:
         prompts = load_prompts(source, split=split, limit=n)
     except (FileNotFoundError, ValueError) as e:

@@ -218,6 +218,119 @@ def test_decision_rule():
         P.decide(ev("2"), champ, metric="latency")
 
 
+def test_decision_rule_on_several_prompt_sets():
+    """Exact everywhere; beat the champion by the margin on one set AND lose no more than
+    the tolerance on any; no champion: beat the target alone on every set; one set is
+    decide() exactly."""
+    def sets(**numbers):  # set -> (challenger tau, champion tau or None)
+        return {n: (ev("3", tau=c, speedup=c), None if o is None else ev("2", tau=o, speedup=o, role="champion"))
+                for n, (c, o) in numbers.items()}
+
+    d = P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.10, 1.23)), metric="tau")
+    assert not d.promote
+    assert d.reason == ("v3 beats v2 on longctx (tau 1.410 vs 1.220, +15.6%) but loses on sharegpt "
+                        "(tau 1.100 vs 1.230, -10.6% > 5%)")
+    assert d.sets["longctx"]["result"] == "better" and d.sets["sharegpt"]["result"] == "worse"
+    d = P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau")  # -2.4%: within 5%
+    assert d.promote and "beats v2 on longctx" in d.reason and "within 5% on sharegpt (tau 1.200 vs 1.230" in d.reason
+    assert d.tolerance == 0.05 and d.sets["sharegpt"]["result"] == "within"
+    assert not P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau", tolerance=0.02).promote
+    assert P.decide_sets(sets(a=(1.5, 1.0), b=(1.6, 1.0))).promote  # better on both (speedup by default)
+    d = P.decide_sets(sets(a=(1.01, 1.0), b=(1.0, 1.0)))  # within the tolerance everywhere, better nowhere
+    assert not d.promote and "not better by the margin on any prompt set" in d.reason
+    d = P.decide_sets(sets(a=(1.01, 1.0), b=(0.5, 1.0)))
+    assert not d.promote and "loses more than 5% on b" in d.reason
+    assert P.decide_sets(sets(a=(1.03, 1.0), b=(0.951, 1.0))).promote  # exactly at the edges
+    assert not P.decide_sets(sets(a=(1.03, 1.0), b=(0.949, 1.0))).promote
+    # exact on every set
+    bad = sets(a=(2.0, 1.0), b=(2.0, 1.0))
+    bad["b"] = (ev("3", tau=2.0, speedup=2.0, exact=False), bad["b"][1])
+    d = P.decide_sets(bad)
+    assert not d.promote and "not exact on b" in d.reason and "prompt 1, token 5" in d.reason
+    # no champion: the target alone is the bar on every set
+    assert P.decide_sets(sets(a=(1.1, None), b=(1.05, None))).promote
+    d = P.decide_sets(sets(a=(1.5, None), b=(0.9, None)))
+    assert not d.promote and "not faster than the target alone on b" in d.reason and d.sets["b"]["vs"] == "ar"
+    with pytest.raises(P.PromoteError, match="different champions"):
+        P.decide_sets(sets(a=(1.5, 1.0), b=(1.5, None)))
+    assert not P.decide_sets({"a": (ev("2"), ev("2", role="champion")), "b": (ev("2"), ev("2", role="champion"))}
+                             ).promote  # already the champion
+    # one set: decide() exactly, with the set's numbers recorded
+    one = P.decide_sets(sets(a=(1.01, 1.0)))
+    assert one.reason == P.decide(ev("3", tau=1.01, speedup=1.01), ev("2", speedup=1.0, tau=1.0, role="champion")).reason
+    assert one.tolerance is None and one.sets["a"]["gain"] == pytest.approx(0.01)
+    for bad_args, pattern in (({"tolerance": 1.0}, "--tolerance"), ({"tolerance": -0.1}, "--tolerance"),
+                              ({"metric": "latency"}, "--metric"), ({"margin": -1}, "--margin")):
+        with pytest.raises(P.PromoteError, match=pattern):
+            P.decide_sets(sets(a=(1.5, 1.0), b=(1.5, 1.0)), **bad_args)
+    with pytest.raises(P.PromoteError, match="no prompt set"):
+        P.decide_sets({})
+
+    # which sets: as given; else sharegpt, plus longctx for a context: long challenger
+    assert P.PromoteConfig().prompt_sets({}) == ["sharegpt"]
+    assert P.PromoteConfig().prompt_sets({"context": "long"}) == ["sharegpt", "longctx"]
+    assert P.PromoteConfig(prompts="humaneval").prompt_sets({"context": "long"}) == ["humaneval"]
+    assert P.PromoteConfig(prompts=" sharegpt, longctx").prompt_sets({}) == ["sharegpt", "longctx"]
+    with pytest.raises(P.PromoteError, match="--prompts"):
+        P.PromoteConfig(prompts="sharegpt,,longctx")
+    with pytest.raises(P.PromoteError, match="--tolerance"):
+        P.PromoteConfig(tolerance=2)
+
+
+def per_set_measure(numbers: dict[str, dict[str, float]]):
+    """Like fake_measure, with numbers per prompt set (keyed by the file's stem)."""
+    def measure(target, candidates, prompts, prompt_ids, max_new_tokens, prompts_source, **kw):
+        return fake_measure(numbers[Path(prompts_source).stem])(target, candidates, prompts, prompt_ids,
+                                                                max_new_tokens, prompts_source, **kw)
+    return measure
+
+
+def test_long_context_challenger_is_judged_on_every_prompt_set(work, target, target_dir, capsys, monkeypatch):
+    """A context: long challenger measured on a short and a long prompt set (given numbers):
+    better on the long one but 10% slower on the short one is refused naming both sets;
+    within the tolerance it is promoted. --list shows its context and parent."""
+    (work / "multi").mkdir(exist_ok=True)
+    db = f"sqlite:///{work}/multi/mlflow.db"
+    for stem in ("short", "long"):
+        (work / "multi" / f"{stem}.jsonl").write_text("".join(
+            json.dumps({"id": f"{stem}{i}", "prompt": q}) + "\n" for i, q in enumerate(["hi", "name a cat"])))
+    sets_arg = f"{work}/multi/short.jsonl,{work}/multi/long.jsonl"
+    v1 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "short-champion")
+    registry.client(db).set_registered_model_alias(MODEL, "champion", v1)
+    v2 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "long-a")
+    v3 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "long-b")
+    for v in (v2, v3):
+        registry.set_version_tags(db, MODEL, v, {"context": "long", "parent_version": v1})
+    base = ["--tracking-uri", db, "--model", MODEL, "--prompts", sets_arg, "--num-prompts", "2",
+            "--max-new-tokens", "8"]
+
+    monkeypatch.setattr(E, "measure", per_set_measure({"short": {v1: 1.23, v2: 1.10}, "long": {v1: 1.22, v2: 1.41}}))
+    code, out, err = run_job(capsys, *base, "--challenger", v2)
+    assert code == 1, err
+    assert f"v{v2} beats v{v1} on long (speedup 1.410x vs 1.220x, +15.6%) but loses on short (speedup 1.100x vs " \
+           "1.230x, -10.6% > 5%)" in err, err
+    assert out.count("prompts from") == 2 and "REFUSED" in out and "tolerance 5%" in out
+    t = tags(db, MODEL, v2)
+    assert t["promotion.decision"] == "refused" and t["eval.prompts"] == "short,long"
+    assert "short: tau 2.100, speedup 1.100x" in t["eval.sets"] and "long: tau 2.410" in t["eval.sets"]
+    runs = registry.client(db).search_runs([registry.client(db).get_experiment_by_name(f"{MODEL}-promotion")
+                                            .experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"eval-v{v2}-vs-v{v1}-long", f"eval-v{v2}-vs-v{v1}-short"]
+    assert aliases(db, MODEL) == {"champion": v1}
+
+    monkeypatch.setattr(E, "measure", per_set_measure({"short": {v1: 1.23, v3: 1.20}, "long": {v1: 1.22, v3: 1.41}}))
+    code, out, err = run_job(capsys, *base, "--challenger", v3)
+    assert code == 0 and "PROMOTED" in out and "within 5% on short" in out, err
+    assert aliases(db, MODEL) == {"champion": v3, "previous": v1}
+
+    code, out, err = run_job(capsys, "--tracking-uri", db, "--model", MODEL, "--list")
+    assert code == 0, err
+    header, *rows = out.splitlines()[1:]
+    assert "context" in header.split() and "parent" in header.split()
+    lines = {ln.split()[0]: ln.split() for ln in rows}
+    assert "long" in lines[v3] and f"v{v1}" in lines[v3] and "long" not in lines[v1]
+
+
 # ---------------------------------------------------------------------------- the flow
 @pytest.fixture(scope="module")
 def flow_versions(uri, target, target_dir):

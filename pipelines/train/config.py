@@ -39,6 +39,11 @@ class DrafterSection:
     init_from: str | None = None
     # draft head over the N most frequent training-response tokens (+ stop tokens); null: the full vocabulary
     draft_vocab_size: int | None = option(None, check=POSITIVE)
+    # sliding-window draft attention: each query sees the last W context positions, so draft
+    # KV and draft cost stay bounded at long context (the target keeps full context);
+    # layer_types: per layer "full_attention" / "sliding_attention" (null: all sliding when a window is set)
+    sliding_window: int | None = option(None, check=POSITIVE)
+    layer_types: list[str] | None = None
 
 
 @dataclass
@@ -50,11 +55,20 @@ class TrainSection:
     features: str | None = None  # a committed feature run; null: features.output
     online: bool = False  # compute features on the workers (the target runs there) instead of reading them
     sequences: str | None = None  # online only: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
+    # a LongAlign JSONL ({"messages": [...]} per line): tokenized with the target's chat template
+    # (pipelines.longalign), written once to <storage_path>/<run_name>/longalign.parquet and trained
+    # on as online sequences (implies online: true; excludes sequences and features)
+    longalign: str | None = None
     holdout: str | None = None  # a separate committed feature run (or sequences) for evaluation
     holdout_fraction: float = option(0.05, check=FRACTION)  # without holdout: this share of rows, by id hash
     eval_samples: int = option(64, check=POSITIVE)  # held-out sequences per evaluation (cap)
     max_length: int = option(3072, check=POSITIVE)  # longer sequences are cut to their first max_length tokens
     shuffle_buffer: int = option(64, check=NON_NEGATIVE)  # rows of local shuffle per worker (0: stream order)
+    # batches of similar lengths: each worker sorts a window of max(shuffle_buffer, 8 x batch_size)
+    # rows (rounded to whole batches) by length, cuts it into batches and shuffles their order
+    length_buckets: bool = False
+    # recompute each draft layer in backward (torch.utils.checkpoint): less activation memory at long context
+    gradient_checkpointing: bool = False
     # ---- optimisation (the paper's recipe by default)
     epochs: int = option(6, check=POSITIVE)
     max_steps: int | None = option(None, check=POSITIVE)  # stop after this many optimizer steps (smoke runs)
@@ -88,6 +102,12 @@ class TrainSection:
 
     def __post_init__(self):
         self.num_workers = _workers(self.num_workers)
+        if self.longalign is not None:
+            for other in ("sequences", "features"):
+                if getattr(self, other) is not None:
+                    raise ConfigError(f"train.longalign: cannot be combined with train.{other} (the LongAlign file "
+                                      "is the training data); drop one of them")
+            self.online = True  # LongAlign rows are token sequences: the workers compute their features
         if self.sequences is not None and not self.online:
             raise ConfigError("train.sequences: token sequences need train.online: true (stored features carry "
                               "their own sequences)")
@@ -118,6 +138,9 @@ class RegistrySection:
     experiment: str | None = None  # null: the model name
     model_name: str | None = None  # null: dflash-<target slug>, the name serving looks up
     register: bool = True  # register the exported drafter as a new model version
+    # extra model-version tags, e.g. {context: long}; merged over the derived ones (train.longalign
+    # set -> context: long)
+    tags: dict = option(factory=dict)
 
 
 @dataclass
@@ -141,6 +164,13 @@ class TrainRecipe:
     @property
     def features_uri(self) -> str:
         return self.train.features or self.features.output
+
+    @property
+    def version_tags(self) -> dict[str, str]:
+        """Model-version tags the recipe asks for: ``context: long`` for a LongAlign run,
+        then ``registry.tags`` over it."""
+        derived = {"context": "long"} if self.train.longalign else {}
+        return {str(k): str(v) for k, v in (derived | dict(self.registry.tags)).items()}
 
     def as_dict(self) -> dict:
         return {"features": dataclasses.asdict(self.features), "drafter": dataclasses.asdict(self.drafter),

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from pipelines import storage
@@ -89,6 +91,66 @@ def manifest_sha256(uri: str, storage_options: dict | None = None) -> str:
     uri = storage.absolute_uri(uri)
     fs, root = storage.filesystem(uri, storage_options)
     return hashlib.sha256(fs.cat_file(storage.join(root, "manifest.json"))).hexdigest()
+
+
+def sequences_sha256(rows: Iterable[dict]) -> str:
+    """sha256 of token rows' content (ids, tokens, masks in order), whatever file holds them."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps([str(r["id"]), [int(t) for t in r["input_ids"]], [int(m) for m in r["loss_mask"]]],
+                            separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- length buckets
+def bucket_window(batch_size: int, shuffle_buffer: int) -> int:
+    """Rows one worker sorts by length at a time: max(shuffle_buffer, 8 batches), in whole
+    batches (so a worker takes as many steps per epoch as without buckets)."""
+    rows = max(shuffle_buffer, 8 * batch_size)
+    return -(-rows // batch_size) * batch_size
+
+
+def bucket_slices(lengths: Sequence[int], batch_size: int, seed: Sequence[int]) -> list[np.ndarray]:
+    """One window's batches as row indices: the rows sorted by length, cut into
+    ``batch_size`` slices, the slices in a random order (seeded), so that neighbouring
+    steps do not all see the longest sequences."""
+    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+    slices = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    perm = np.random.default_rng([*map(int, seed)]).permutation(len(slices))
+    return [slices[i] for i in perm]
+
+
+def bucketed(windows: Iterable[pa.Table], batch_size: int, seed: Sequence[int]) -> Iterator[pa.Table]:
+    """Length-bucketed batches from windows of rows (already shuffled): see :func:`bucket_slices`;
+    window ``w`` is seeded by ``(*seed, w)``."""
+    for w, table in enumerate(windows):
+        lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        for idx in bucket_slices(lengths, batch_size, (*seed, w)):
+            yield table.take(pa.array(idx))
+
+
+def padding_fraction(batches: Iterable[Sequence[int]]) -> float:
+    """Share of padded slots in right-padded batches (each padded to its longest row),
+    given each batch's sequence lengths."""
+    pad = total = 0
+    for lens in batches:
+        if len(lens):
+            slots = int(max(lens)) * len(lens)
+            total += slots
+            pad += slots - int(sum(lens))
+    return pad / total if total else 0.0
+
+
+def simulated_padding(lengths: Sequence[int], batch_size: int, shuffle_buffer: int, seed: int = 0) -> dict:
+    """Padding fraction of one epoch over ``lengths`` in shuffled order, without and with
+    length buckets (the worker's windows and slices)."""
+    rng = np.random.default_rng(seed)
+    order = np.asarray(lengths, dtype=np.int64)[rng.permutation(len(lengths))]
+    plain = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    window = bucket_window(batch_size, shuffle_buffer)
+    buckets = [order[i: i + window][idx] for w, i in enumerate(range(0, len(order), window))
+               for idx in bucket_slices(order[i: i + window], batch_size, (seed, w))]
+    return {"random": padding_fraction(plain), "bucketed": padding_fraction(buckets), "window": window}
 
 
 # ---------------------------------------------------------------------------- worker side

@@ -98,6 +98,28 @@ class DrafterLoss(nn.Module):
                            vocab_index=head.index if head.ids is not None else None)
 
 
+def enable_gradient_checkpointing(drafter: DFlashDrafter) -> DFlashDrafter:
+    """Recompute every draft layer in backward instead of keeping its activations
+    (``torch.utils.checkpoint``, non-reentrant): each layer's ``forward`` is wrapped on the
+    instance, so the model code and the checkpoint format are untouched. Without grad
+    (evaluation) the layer runs as it is. Returns ``drafter``; calling it twice is a no-op."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in drafter.layers:
+        if getattr(layer, "_dflash_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._dflash_checkpointed = True
+    return drafter
+
+
 def param_groups(drafter: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only; norms keep their scale."""
     params = [p for p in drafter.parameters() if p.requires_grad]

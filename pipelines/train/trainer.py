@@ -34,13 +34,15 @@ from pipelines import registry, storage
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainRecipe, TrainSection
 from pipelines.train.faults import FaultInjector
-from pipelines.train.data import Collate, manifest_sha256, read_sequences, split_holdout
+from pipelines.train.data import (Collate, bucket_window, bucketed, manifest_sha256, read_sequences,
+                                  sequences_sha256, simulated_padding, split_holdout)
 from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, DrafterLoss, TrainState,
-                                     latest_checkpoint_state, make_runner)
+                                     enable_gradient_checkpointing, latest_checkpoint_state, make_runner)
 
 log = logging.getLogger(__name__)
 
 #: environment the driver forwards to its workers: the model cache, knobs, test fault injection
+LONGALIGN_FILE = "longalign.parquet"  # train.longalign's rows, in the run directory
 FORWARDED_ENV = ("DFLASH_CACHE", "DFLASH_DEEPSPEED_SHM", "DFLASH_FAIL_AT_STEP", "DFLASH_FAIL_MARKER", "HF_HUB_OFFLINE")
 
 
@@ -77,6 +79,8 @@ def train_loop_per_worker(config: dict) -> None:
     drafter.load_state_dict(ray.get(config["init_state"]))  # identical start on every worker
     if config.get("draft_vocab") is not None:
         drafter.set_draft_vocab(torch.tensor(config["draft_vocab"]))
+    if tc.gradient_checkpointing:
+        enable_gradient_checkpointing(drafter)
     module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex)
     runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
                          weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
@@ -144,9 +148,15 @@ def train_loop_per_worker(config: dict) -> None:
 
     stop = finished()
     while not stop:
-        batches = train_shard.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow", prefetch_batches=2,
-                                           local_shuffle_buffer_size=tc.shuffle_buffer or None,
-                                           local_shuffle_seed=tc.seed + state.epoch if tc.shuffle_buffer else None)
+        shuffle = dict(local_shuffle_buffer_size=tc.shuffle_buffer or None,
+                       local_shuffle_seed=tc.seed + state.epoch if tc.shuffle_buffer else None)
+        if tc.length_buckets:  # sort a window of rows by length, cut it into batches, shuffle those
+            windows = train_shard.iter_batches(batch_size=bucket_window(tc.batch_size, tc.shuffle_buffer),
+                                               batch_format="pyarrow", prefetch_batches=1, **shuffle)
+            batches = bucketed(windows, tc.batch_size, (tc.seed, state.epoch, rank))
+        else:
+            batches = train_shard.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow", prefetch_batches=2,
+                                               **shuffle)
         for i, raw in enumerate(batches):
             if i < state.batch_in_epoch:
                 continue  # consumed before the checkpoint this attempt resumed from
@@ -401,10 +411,16 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     target = load_target(spec.model, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
     tok_hash = tokenizer_fingerprint(target.tokenizer)["hash"] if target.tokenizer is not None else None
     options = storage.resolve_options(recipe.features_uri, recipe.features.storage.options)
+    run_uri = storage.join(storage.absolute_uri(tc.storage_path), tc.run_name)
+    tracking_uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
+
+    # ---- LongAlign conversations -> token rows in the run directory (checked before anything is written)
+    longalign = _longalign_sequences(recipe, target, run_uri) if tc.longalign else {}
+    sequences = tc.sequences or longalign.get("uri")
 
     # ---- the feature run (absent only for online training from token sequences)
     manifest = manifest_uri = None
-    if not (tc.online and tc.sequences):
+    if not (tc.online and sequences):
         manifest_uri = storage.absolute_uri(recipe.features_uri)
         try:
             manifest = load_manifest(manifest_uri, options)
@@ -413,10 +429,13 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
 
     # ---- the drafter, and the run it may resume
-    cfg = drafter_config_for_target(target, num_hidden_layers=dc.num_layers, block_size=dc.block_size,
-                                    target_layer_ids=layer_ids, mask_token_id=dc.mask_token_id,
-                                    intermediate_size=dc.intermediate_size)
-    run_uri = storage.join(storage.absolute_uri(tc.storage_path), tc.run_name)
+    try:
+        cfg = drafter_config_for_target(target, num_hidden_layers=dc.num_layers, block_size=dc.block_size,
+                                        target_layer_ids=layer_ids, mask_token_id=dc.mask_token_id,
+                                        intermediate_size=dc.intermediate_size, sliding_window=dc.sliding_window,
+                                        layer_types=dc.layer_types)
+    except ValueError as e:  # the window rules (>= block size, <= context, one kind per layer)
+        raise ConfigError(f"drafter.{e}") from None
     resume, resume_cfg = latest_checkpoint_state(run_uri, tc.storage_options)
     if resume_cfg is not None:
         _check_same_drafter(resume_cfg, cfg, tc.run_name, run_uri)
@@ -424,25 +443,25 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     drafter = DFlashDrafter(cfg)
     parent = {}  # lineage of the drafter this run fine-tunes
     if dc.init_from:
-        parent = _init_from_drafter(drafter, dc.init_from, target)
+        parent = _init_from_drafter(drafter, dc.init_from, target, tracking_uri)
     elif dc.init_from_target:
         init_from_target(drafter, target)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
     # ---- data
-    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options)
+    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options, sequences)
     if dc.draft_vocab_size:
         drafter.set_draft_vocab(_draft_vocab(recipe, target, manifest_uri, options, datasets["train"]))
 
     # ---- MLflow (the run of a resumed training continues)
-    tracking_uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
     lineage = {
         "target_model": spec.model, "target_identity": target.identity, "tokenizer_hash": tok_hash,
-        "features_uri": manifest_uri or storage.absolute_uri(tc.sequences),
+        "features_uri": manifest_uri or storage.absolute_uri(sequences),
         "features_manifest_sha256": manifest_sha256(manifest_uri, options) if manifest_uri else None,
         "config_sha256": recipe.config_hash(), "git_commit": registry.git_commit(), "run_name": tc.run_name,
         "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
         "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online, **parent,
+        **{k: v for k, v in longalign.items() if k != "uri"}, **recipe.version_tags,
     }
     run_id = registry.start_run(
         tracking_uri, recipe.registry.experiment or recipe.model_name, tc.run_name,
@@ -466,14 +485,25 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                  storage_options=tc.storage_options, resume=resume, mlflow_live=mlflow_live)
 
 
-def _init_from_drafter(drafter, path: str, target) -> dict:
+def _init_from_drafter(drafter, path: str, target, tracking_uri: str) -> dict:
     """Copy a trained drafter's weights into ``drafter`` (same shape; the draft vocabulary
     is an index set over the target's LM head, so the new run's own one is kept).
-    Returns the parent's lineage fields."""
+    ``path`` is a drafter directory or a registry version (``models:/name@alias``,
+    ``models:/name/<version>``, downloaded through pipelines.registry). Returns the
+    parent's lineage fields."""
     from specdec.checkpoint import DrafterMismatchError, load_drafter
 
+    parent = {"parent_drafter": path, "parent_uri": path}
+    local = path
+    if registry.is_registry_uri(path):
+        try:
+            found, _, version = registry.resolve_drafter(tracking_uri, path)
+        except (ValueError, registry.RegistryError) as e:
+            raise ConfigError(f"drafter.init_from: {e}") from None
+        local = str(found)
+        parent["parent_version"] = version
     try:
-        source = load_drafter(path, dtype=torch.float32, target=target)
+        source = load_drafter(local, dtype=torch.float32, target=target)
     except (FileNotFoundError, DrafterMismatchError) as e:
         raise ConfigError(f"drafter.init_from: {e}") from None
     mine, theirs = drafter.config, source.config
@@ -482,8 +512,68 @@ def _init_from_drafter(drafter, path: str, target) -> dict:
             raise ConfigError(f"drafter.init_from: {path} has {name}={getattr(theirs, name)!r} but the recipe "
                               f"builds {getattr(mine, name)!r}")
     drafter.load_state_dict(source.state_dict())
-    log.info("drafter initialised from %s", path)
-    return {"parent_drafter": path, "parent_mlflow_run_id": theirs.extra.get("mlflow_run_id")}
+    log.info("drafter initialised from %s%s", path, f" (v{parent['parent_version']})" if "parent_version" in parent
+             else "")
+    return parent | {"parent_mlflow_run_id": theirs.extra.get("mlflow_run_id")}
+
+
+def _longalign_sequences(recipe: TrainRecipe, target, run_uri: str) -> dict:
+    """Read ``train.longalign`` with the target's chat template and write its token rows to
+    ``<run>/longalign.parquet`` (once: a resumed run reuses the file, and refuses a source
+    whose rows changed). Returns the rows' URI and the lineage fields."""
+    from pipelines.longalign import LongAlignError, read_longalign, write_sequences
+
+    tc = recipe.train
+    if target.tokenizer is None:
+        raise ConfigError(f"train.longalign: the target {recipe.features.target.model} has no tokenizer")
+    source = storage.absolute_uri(tc.longalign)
+    src_fs, src_path = storage.filesystem(source, tc.storage_options)
+    try:
+        if not src_fs.isfile(src_path):
+            raise ConfigError(f"train.longalign: {source} is not a file (expected a LongAlign JSONL)")
+        with tempfile.TemporaryDirectory(prefix="dflash-longalign-") as tmp:
+            local = src_path
+            if not storage.is_local(src_fs):  # object storage: read a local copy
+                local = str(Path(tmp) / Path(src_path).name)
+                src_fs.get_file(src_path, local)
+            data = read_longalign(local, target.tokenizer, tc.max_length)
+    except LongAlignError as e:  # "<path>:<line>: <field>: ..."
+        raise ConfigError(f"train.longalign: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.longalign: {source}: {e}") from None
+    if not data.rows:
+        raise ConfigError(f"train.longalign: {tc.longalign} has no conversation of at most {tc.max_length} tokens "
+                          f"({data.lines} lines, {data.skipped_too_long} longer than train.max_length)")
+    print(f"longalign: {len(data.rows)} sequences, {data.tokens} tokens, {data.skipped_too_long} skipped "
+          f"(longer than max_length)", flush=True)
+    sha = sequences_sha256(data.rows)
+    lengths = [len(r["input_ids"]) for r in data.rows]
+    pad = simulated_padding(lengths, tc.batch_size, tc.shuffle_buffer, tc.seed)
+    log.info("longalign padding at batch size %d: %.1f%% in random batches, %.1f%% length-bucketed (%s)",
+             tc.batch_size, 100 * pad["random"], 100 * pad["bucketed"],
+             "on: train.length_buckets" if tc.length_buckets else "off")
+    uri = storage.join(run_uri, LONGALIGN_FILE)
+    fs, path = storage.filesystem(uri, tc.storage_options)
+    if fs.exists(path):
+        import pyarrow.parquet as pq
+
+        with fs.open(path, "rb") as f:
+            have = sequences_sha256(pq.read_table(f, columns=["id", "input_ids", "loss_mask"]).to_pylist())
+        if have != sha:
+            raise ConfigError(f"train.longalign: run '{tc.run_name}' was started on other rows ({uri} has content "
+                              f"sha256 {have[:12]}.., {tc.longalign} now gives {sha[:12]}..); use another "
+                              "train.run_name to start afresh")
+    elif storage.is_local(fs):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        write_sequences(data.rows, tmp)
+        os.replace(tmp, path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dflash-longalign-") as tmp:
+            write_sequences(data.rows, str(Path(tmp) / LONGALIGN_FILE))
+            fs.put_file(str(Path(tmp) / LONGALIGN_FILE), path)
+    return {"uri": uri, "longalign": storage.absolute_uri(tc.longalign), "longalign_sha256": sha,
+            "longalign_sequences": len(data.rows), "longalign_tokens": data.tokens}
 
 
 def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options: dict, train_ds) -> torch.Tensor:
@@ -527,7 +617,7 @@ def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri:
     return layer_ids
 
 
-def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manifest_uri, options):
+def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manifest_uri, options, sequences=None):
     """({"train": streamed rows, "holdout": materialised rows}, training rows estimate).
     Feature runs are checked against the target (identity, tokenizer; layers and width
     unless the features are computed online)."""
@@ -543,11 +633,11 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manife
         return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.online else ds
 
     def source(uri, field_name):
-        if tc.online and tc.sequences:
+        if tc.online and sequences:
             return read_sequences(uri, tc.storage_options or options, field_name)
         return feature_run(uri)
 
-    train_ds = source(tc.sequences or manifest_uri, "train.sequences")
+    train_ds = source(sequences or manifest_uri, "train.longalign" if tc.longalign else "train.sequences")
     if tc.holdout:
         holdout_ds = source(tc.holdout, "train.holdout")
     elif tc.holdout_fraction > 0:
@@ -563,7 +653,7 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manife
     if holdout_ds.count() == 0:
         raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
                           "train.holdout")
-    if manifest is not None and not (tc.online and tc.sequences):
+    if manifest is not None and not (tc.online and sequences):
         train_rows = int(manifest["num_samples"] * (1 if tc.holdout else 1 - tc.holdout_fraction))
     else:
         train_rows = train_ds.count()
@@ -574,10 +664,11 @@ def _check_same_drafter(saved: dict, cfg, run_name: str, run_uri: str) -> None:
     """A resumed run must train the same drafter shape; name the first field that differs."""
     now = cfg.to_hf_dict()
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "block_size"):
-        if saved.get(key) != now.get(key):
+                "num_key_value_heads", "head_dim", "vocab_size", "block_size", "sliding_window", "layer_types"):
+        if saved.get(key, now.get(key) if key == "layer_types" else None) != now.get(key):
             field_name = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter.block_size",
-                          "intermediate_size": "drafter.intermediate_size"}.get(key, f"drafter ({key})")
+                          "intermediate_size": "drafter.intermediate_size", "sliding_window": "drafter.sliding_window",
+                          "layer_types": "drafter.layer_types"}.get(key, f"drafter ({key})")
             raise ConfigError(f"{field_name}: run '{run_name}' at {run_uri} was trained with {key}={saved.get(key)}, "
                               f"the recipe now gives {now.get(key)}; use another train.run_name to start afresh")
     for key in ("target_layer_ids", "mask_token_id"):
@@ -688,7 +779,8 @@ def _finish(recipe: TrainRecipe, plan: _Plan, result, seconds: float) -> FitResu
             version = _registered_version(recipe, plan, final, int(best["step"]))
             if version is None:
                 version = registry.register_drafter(uri, run_id, source, recipe.model_name,
-                                                    registry.lineage_tags(drafter.config.extra),
+                                                    registry.lineage_tags(drafter.config.extra)
+                                                    | recipe.version_tags,
                                                     description=f"run {tc.run_name}, best step {best['step']}")
                 registry.client(uri).set_tag(run_id, "dflash.model_version", f"{recipe.model_name}/{version}")
         registry.finish_run(uri, run_id)
