@@ -182,6 +182,27 @@ def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None
     client(tracking_uri).set_terminated(run_id, status=status)
 
 
+def log_benchmark(tracking_uri: str | None, experiment: str, metrics: dict[str, float],
+                  files: tuple[Path, ...], params: dict | None = None) -> str:
+    """One finished run in ``experiment`` holding a benchmark's metrics (names sanitised
+    for MLflow), its params and its report files as artifacts; returns the run id."""
+    import tempfile
+
+    uri = resolve_tracking_uri(tracking_uri)
+    run_id = start_run(uri, experiment, f"{experiment}-{int(time.time())}")
+    if params:
+        log_params(uri, run_id, params)
+    logger = MetricsLogger(uri, run_id, flush_every=10**6)
+    logger.log({re.sub(r"[^A-Za-z0-9_./ -]", "_", k): v for k, v in metrics.items()}, 0)
+    logger.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files:
+            Path(tmp, Path(f).name).write_bytes(Path(f).read_bytes())
+        log_artifacts(uri, run_id, tmp, experiment.replace("-", "_"))
+    finish_run(uri, run_id)
+    return run_id
+
+
 # ---------------------------------------------------------------------------- lineage helpers
 def git_commit(start: str | Path | None = None) -> str | None:
     """The checked-out commit of the repository holding ``start`` (read from ``.git``;

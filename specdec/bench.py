@@ -263,10 +263,11 @@ def measure_methods(methods: dict[str, Method], prompts: list[list[int]], max_ne
     names = list(methods)
     first = prompts[:batch_size]
     warm = min(warmup_tokens, max_new_tokens)
-    ar_warm = methods["ar"](first, warm, seed, None).tokens
-    for m in names:
-        if m != "ar":
-            methods[m](first, warm, seed, ar_warm)
+    if warm > 0:  # 0: the caller warmed up already (long prompts make a warm-up costly)
+        ar_warm = methods["ar"](first, warm, seed, None).tokens
+        for m in names:
+            if m != "ar":
+                methods[m](first, warm, seed, ar_warm)
     acc = {m: _Acc() for m in names}
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     bar = tqdm(batches, desc="benchmark", unit="batch", disable=not progress)

@@ -366,6 +366,17 @@ class DFlashDrafter(nn.Module):
         return [made[w] for w in windows]
 
 
+def with_window(drafter: DFlashDrafter, window: int | None,
+                layer_types: list[str] | None = None) -> DFlashDrafter:
+    """The same weights with sliding-window draft attention of ``window`` (None: full
+    attention) in every layer, or in the layers ``layer_types`` marks sliding."""
+    cfg = DrafterConfig(**{**drafter.config.as_dict(), "sliding_window": window, "layer_types": layer_types})
+    out = DFlashDrafter(cfg).to(drafter.dtype)
+    out.load_state_dict(drafter.state_dict())
+    out.set_draft_vocab(drafter.draft_vocab)
+    return out.eval().requires_grad_(False)
+
+
 def drafter_config_for_target(target, num_hidden_layers: int = 1, block_size: int = 16,
                               target_layer_ids: list[int] | None = None, num_features: int = 5,
                               mask_token_id: int | None = None, intermediate_size: int | None = None,

@@ -312,6 +312,7 @@ class DFlashProposer:
         self.cache = DynamicCache()
         self.lens = torch.zeros(0, dtype=torch.long, device=target.device)  # cached slots per row
         self.base = torch.zeros(0, dtype=torch.long, device=target.device)  # position of slot 0 per row
+        self.peak_kv_bytes = 0  # the most draft K/V memory held at once (benchmarks)
         self.pending: torch.Tensor | None = None  # (B, n, F) features not yet in the cache
         self.pending_n = torch.zeros(0, dtype=torch.long, device=target.device)  # valid per row
 
@@ -320,10 +321,16 @@ class DFlashProposer:
         # ingested together with the live rows' few pending features, padded to the longest
         # prompt: a drafter pass over (all rows x prompt length) for every admission.
         cache = DynamicCache()
-        pos = torch.arange(features.shape[1], device=lens.device)[None].expand(len(rows), -1)
+        base = torch.zeros_like(lens)
+        if self.keep is not None and features.shape[1] > self.keep:  # a window sees only the prompt's end
+            base = (lens - self.keep).clamp(min=0)
+            idx = (base[:, None] + torch.arange(self.keep, device=lens.device)).clamp(max=features.shape[1] - 1)
+            features = features.gather(1, idx[..., None].expand(-1, -1, features.shape[2]))
+            lens = lens - base
+        pos = base[:, None] + torch.arange(features.shape[1], device=lens.device)[None]
         kvcache.append(cache, self.drafter.context_kv(features, pos))  # padded past lens, masked by lens
         self.cache, self.lens = kvcache.concat([self.cache, cache], [self.lens, lens])
-        self.base = torch.cat([self.base, torch.zeros_like(lens)])
+        self.base = torch.cat([self.base, base])
         self.pending = _cat_padded(self.pending, features[:, :0])
         self.pending_n = torch.cat([self.pending_n, torch.zeros_like(lens)])
         self._bound()
@@ -390,6 +397,7 @@ class DFlashProposer:
         if self.keep is not None and kvcache.physical_len(self.cache) > self.keep + self.slack:
             drop = kvcache.drop_front(self.cache, self.lens, self.keep)
             self.lens, self.base = self.lens - drop, self.base + drop
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes)
 
     @property
     def kv_bytes(self) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec.checkpoint import load_drafter, save_drafter
-from specdec.drafter import DFlashDrafter, DrafterConfig
+from specdec.drafter import with_window
 from specdec.engine import DFlashProposer, Engine, Request
 from specdec.prompts import load_prompts
 from specdec.sampling import SamplingParams
@@ -22,12 +22,6 @@ pytest.importorskip("vllm")
 WINDOW, BLOCK, MAX_NEW = 12, 4, 32
 
 
-def _with_window(drafter, window):
-    d = DFlashDrafter(DrafterConfig(**{**drafter.config.as_dict(), "sliding_window": window, "layer_types": None}))
-    d.load_state_dict(drafter.state_dict())
-    return d.to(drafter.dtype).eval()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from specdec.assets import reference_drafter_for
@@ -36,7 +30,7 @@ def setup(tmp_path_factory):
     target = load_target(None)
     full = load_drafter(reference_drafter_for(None), target=target)
     full.set_draft_vocab(None)  # vLLM drafts over the full vocabulary
-    out = save_drafter(_with_window(full, WINDOW), tmp_path_factory.mktemp("vllm") / "drafter", dtype=torch.float16)
+    out = save_drafter(with_window(full, WINDOW), tmp_path_factory.mktemp("vllm") / "drafter", dtype=torch.float16)
     windowed = load_drafter(out, target=target)  # the fp16 weights vLLM runs, read back
     prompts = [target.encode_chat(p.messages) for p in load_prompts("sharegpt", split="holdout", limit=3)]
     engine = VLLMEngine(resolve_target_path(None), out, block_size=BLOCK, max_model_len=2048)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -218,20 +216,9 @@ def log_to_mlflow(report: dict, tracking_uri: str | None, files: tuple[Path, Pat
     """One MLflow run in experiment ``recipe-bench``: a metric per variant/step/prompt set."""
     from pipelines import registry
 
-    uri = registry.resolve_tracking_uri(tracking_uri)
-    run_id = registry.start_run(uri, "recipe-bench", f"recipe-bench-{int(time.time())}")
     metrics = {}
     for r in report["rows"]:
         for key in [k for k in r if k.endswith(("_tau", "_speedup"))] + ["hours"]:
             if isinstance(r.get(key), (int, float)):
-                name = re.sub(r"[^A-Za-z0-9_./ -]", "_", f"{r['variant']}.step{r['step']}.{key}")
-                metrics[name] = r[key]
-    logger = registry.MetricsLogger(uri, run_id, flush_every=1000)
-    logger.log(metrics, 0)
-    logger.flush()
-    with tempfile.TemporaryDirectory() as tmp:
-        for f in files:
-            Path(tmp, f.name).write_bytes(f.read_bytes())
-        registry.log_artifacts(uri, run_id, tmp, "recipe_bench")
-    registry.finish_run(uri, run_id)
-    return run_id
+                metrics[f"{r['variant']}.step{r['step']}.{key}"] = r[key]
+    return registry.log_benchmark(tracking_uri, "recipe-bench", metrics, files)
