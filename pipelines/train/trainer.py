@@ -450,8 +450,13 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
 
     # ---- data
     datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options, sequences)
-    if dc.draft_vocab_size:
+    inherited = drafter.draft_vocab
+    if dc.draft_vocab_size and inherited is not None and inherited.numel() == dc.draft_vocab_size:
+        log.info("draft vocabulary: the parent's %d tokens", inherited.numel())
+    elif dc.draft_vocab_size:
         drafter.set_draft_vocab(_draft_vocab(recipe, target, manifest_uri, options, datasets["train"]))
+    else:
+        drafter.set_draft_vocab(None)
 
     # ---- MLflow (the run of a resumed training continues)
     lineage = {
@@ -514,6 +519,9 @@ def _init_from_drafter(drafter, path: str, target, tracking_uri: str) -> dict:
     drafter.load_state_dict(source.state_dict())
     log.info("drafter initialised from %s%s", path, f" (v{parent['parent_version']})" if "parent_version" in parent
              else "")
+    # the parent's draft vocabulary, built on its (larger) data: a fine-tuning set of a few
+    # hundred answers would give a vocabulary that covers little of what the parent drafts
+    drafter.set_draft_vocab(source.draft_vocab)
     return parent | {"parent_mlflow_run_id": theirs.extra.get("mlflow_run_id")}
 
 
