@@ -178,6 +178,13 @@ class PromptsSection:
     dedup: bool = True
     max_prompt_tokens: int = option(2048, check=POSITIVE)  # longer prompts are skipped (counted)
 
+    def __post_init__(self):
+        # the long-context set is long by design: the default character cap would drop most of it
+        if self.source == "longctx" and self.max_prompt_chars is not None:
+            raise ConfigError("features.prompts.max_prompt_chars: the longctx prompts run to ~32K characters; "
+                              "set it to null (and max_prompt_tokens to the context you want, e.g. 8192: "
+                              "longer prompts are skipped and counted)")
+
 
 @dataclass
 class VLLMSection:

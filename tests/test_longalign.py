@@ -213,3 +213,13 @@ def test_write_sequences_checks_lengths_and_replaces_atomically(tmp_path):
     assert pq.read_table(out).column("id").to_pylist() == ["a"]  # the old file is intact
     write_sequences([], str(out))
     assert pq.read_table(out).num_rows == 0 and [p.name for p in tmp_path.iterdir()] == ["seq.parquet"]
+
+
+def test_features_recipe_on_longctx_must_lift_the_character_cap():
+    from pipelines.config import ConfigError, PromptsSection, parse_section
+
+    with pytest.raises(ConfigError, match=r"^features\.prompts\.max_prompt_chars: .*set it to null"):
+        parse_section(PromptsSection, {"source": "longctx"}, "features.prompts")
+    ok = parse_section(PromptsSection, {"source": "longctx", "max_prompt_chars": None, "max_prompt_tokens": 8192},
+                       "features.prompts")
+    assert ok.max_prompt_tokens == 8192
