@@ -14,7 +14,6 @@ and, with ``window``, each of them again with sliding-window draft attention of 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,12 +174,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write(report: dict, out: str | Path) -> tuple[Path, Path]:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    js, png = out.with_suffix(".json"), out.with_suffix(".png")
-    js.write_text(json.dumps(report, indent=1))
-    plot(report, png)
-    return js, png
+    from specdec.bench import write_report
+
+    return write_report(report, out, plot)
 
 
 def log_to_mlflow(report: dict, tracking_uri: str | None, files: tuple[Path, Path]) -> str:

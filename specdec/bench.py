@@ -483,14 +483,18 @@ def histogram_lines(hist: dict[str, int], width: int = 40) -> list[str]:
             for k, v in sorted(hist.items(), key=lambda kv: int(kv[0]))]
 
 
-def write_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``out`` (JSON) and the PNG beside it; returns both paths."""
+def write_report(report: dict, out: str | os.PathLike, plot: Callable[[dict, Path], None] | None = None,
+                 ) -> tuple[Path, Path]:
+    """Write the report as JSON (``out``, ``.json`` added unless given) and ``plot``'s PNG
+    beside it (default: the engine benchmark's plot); returns both paths. Every benchmark
+    writes its files through here."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    png = out.with_suffix(".png")
-    plot_report(report, png)
-    return out, png
+    js = out if out.suffix == ".json" else out.with_suffix(".json")
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps(report, indent=1))
+    png = js.with_suffix(".png")
+    (plot or plot_report)(report, png)
+    return js, png
 
 
 def plot_report(report: dict, path: Path) -> None:
