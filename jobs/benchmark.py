@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     ap.add_argument("--target", default=None, help="target dir, .gguf or id (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--drafter", default=None, help="DFlash drafter directory (enables the dflash method); "
                     "default: the packaged reference drafter of the embedded target; 'none': no drafter")
-    ap.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt | path to a JSONL (messages or prompt)")
+    ap.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt | longctx (1K-8K-token documents + a question) | path to a JSONL (messages or prompt)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None,

@@ -57,7 +57,7 @@ class BenchError(ValueError):
 class BenchConfig:
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     drafter: str | None = None
-    prompts: str = "humaneval"  # "humaneval", "sharegpt" (holdout split) or a JSONL path
+    prompts: str = "humaneval"  # "humaneval", "sharegpt" or "longctx" (holdout splits) or a JSONL path
     num_prompts: int = 8
     max_new_tokens: int = 64
     block_size: int | None = None  # None: the drafter's own B (16 without a drafter)

@@ -191,8 +191,8 @@ def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
 
     cfg = load_features_config(config, [f"features.prompts.limit={num_prompts}",
                                         f"features.generation.max_new_tokens={max_new_tokens}"])
-    # one shard per hf actor: each decodes its shard as one continuous batch, as in the recipe
-    per_shard = math.ceil(num_prompts / hf_actors)
+    # the recipe's shards, or fewer prompts each so that every hf actor gets one
+    per_shard = min(cfg.storage.samples_per_shard, math.ceil(num_prompts / hf_actors))
     shards, _ = plan_shards(dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage,
                                                                                  samples_per_shard=per_shard)))
     rows, order = [s.as_row() for s in shards], {s.shard_id: list(s.ids) for s in shards}
