@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="target dir or id (default: embedded SmolLM2)")
     ap.add_argument("--window", type=int, default=None, help="also run each drafter with this sliding window")
     ap.add_argument("--buckets", default="1,2,4,8", help="context buckets, thousands of tokens")
+    ap.add_argument("--prompts", default="longctx", help="longctx (embedded, 1K-8K) or a prompt file (a LongAlign "
+                    "JSONL...): bucket b takes prompts of b/2 K to b K tokens, e.g. --buckets 16,32,64 on a GPU")
     ap.add_argument("--prompts-per-bucket", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None, help="default: the first drafter's own")
@@ -40,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         drafters = dict(_pair(s) for s in args.drafter) or {"reference": _reference()}
         cfg = ContextBenchConfig(drafters, args.target, args.window, [int(b) for b in args.buckets.split(",")],
-                                 args.prompts_per_bucket, args.max_new_tokens, args.block_size, args.tracking_uri,
-                                 args.threads, progress=sys.stderr.isatty())
+                                 args.prompts, args.prompts_per_bucket, args.max_new_tokens, args.block_size,
+                                 args.tracking_uri, args.threads, progress=sys.stderr.isatty())
         report = run_context_bench(cfg)
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,9 @@ class ContextBenchConfig:
     target: str | None = None  # None: the embedded SmolLM2
     window: int | None = None  # also run every drafter with this sliding window
     buckets: list[int] = field(default_factory=lambda: list(BUCKETS))  # thousands of tokens
+    # "longctx" (the embedded set, holdout split) or any prompt source (a LongAlign JSONL of
+    # 16K-64K conversations on a GPU...): prompts go to bucket b when b/2 K < tokens <= b K
+    prompts: str = "longctx"
     prompts_per_bucket: int = 2
     max_new_tokens: int = 64
     block_size: int | None = None  # None: the first drafter's own B
@@ -45,8 +48,11 @@ class ContextBenchConfig:
         if not self.drafters:
             raise BenchError("give at least one drafter (NAME=DIR or NAME=models:/name@alias)")
         bad = [b for b in self.buckets if b not in BUCKETS]
-        if bad:
-            raise BenchError(f"buckets {bad} are not in the long-context set's {list(BUCKETS)} (thousands of tokens)")
+        if bad and self.prompts == "longctx":
+            raise BenchError(f"buckets {bad} are not in the long-context set's {list(BUCKETS)} (thousands of tokens); "
+                             "bring longer prompts with --prompts FILE")
+        if any(not isinstance(b, int) or b < 1 for b in self.buckets):
+            raise BenchError(f"buckets must be positive ints (thousands of tokens), got {self.buckets}")
         if self.prompts_per_bucket < 1 or self.max_new_tokens < 1:
             raise BenchError("--prompts-per-bucket and --max-new-tokens must be >= 1")
 
@@ -74,17 +80,39 @@ def load_variants(cfg: ContextBenchConfig, target) -> dict:
     return out
 
 
-def bucket_prompts(target, buckets: list[int], n: int) -> dict[int, tuple[list[str], list[list[int]]]]:
-    """The first ``n`` held-out long-context prompts of each bucket, templated."""
+def bucket_prompts(target, buckets: list[int], n: int, source: str = "longctx",
+                   ) -> dict[int, tuple[list[str], list[list[int]]]]:
+    """The first ``n`` prompts of each bucket, templated: the embedded set's held-out
+    prompts by their bucket, or any source's by length (b/2 K < tokens <= b K)."""
     from specdec.prompts import load_prompts
 
-    prompts = load_prompts("longctx", split="holdout")
-    out = {}
-    for b in buckets:
-        mine = [p for p in prompts if longctx_bucket(p.id) == b][:n]
-        if not mine:
-            raise BenchError(f"no held-out long-context prompts in the {b}K bucket")
-        out[b] = ([p.id for p in mine], [target.encode_chat(p.messages) for p in mine])
+    try:
+        prompts = load_prompts(source, split="holdout" if source == "longctx" else "all",
+                               max_prompt_chars=None)
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(f"cannot read prompts {source!r}: {e}") from None
+    out: dict[int, tuple[list[str], list[list[int]]]] = {b: ([], []) for b in buckets}
+    for p in prompts:
+        if all(len(ids) >= n for ids, _ in out.values()):
+            break
+        if source == "longctx":
+            b = longctx_bucket(p.id)
+            if b not in out or len(out[b][0]) >= n:
+                continue
+            tokens = target.encode_chat(p.messages)
+        else:
+            tokens = target.encode_chat(p.messages)
+            b = next((b for b in sorted(buckets) if b * 512 < len(tokens) <= b * 1024), None)
+            if b is None or len(out[b][0]) >= n:
+                continue
+        if len(tokens) >= target.max_positions:
+            continue
+        out[b][0].append(p.id)
+        out[b][1].append(tokens)
+    empty = [b for b, (ids, _) in out.items() if not ids]
+    if empty:
+        raise BenchError(f"no prompts of {source!r} in the bucket(s) {empty}K (that fit the target's context "
+                         f"of {target.max_positions})")
     return out
 
 
@@ -108,7 +136,7 @@ def run_context_bench(cfg: ContextBenchConfig) -> dict:
 
     methods = {"ar": engine_method(target, GREEDY, None, K, stop)}
     methods.update({name: engine_method(target, GREEDY, factory(name, d), K, stop) for name, d in variants.items()})
-    prompts = bucket_prompts(target, cfg.buckets, cfg.prompts_per_bucket)
+    prompts = bucket_prompts(target, cfg.buckets, cfg.prompts_per_bucket, cfg.prompts)
     # warm up once, on the shortest prompt: a warm-up per bucket would prefill 8K tokens per method
     first = min((p for _, ps in prompts.values() for p in ps), key=len)
     measure_methods(methods, [first], 4, warmup_tokens=0)
@@ -131,7 +159,7 @@ def run_context_bench(cfg: ContextBenchConfig) -> dict:
                 if proposers.get(name) else None,
                 "exact": report["exactness"]["equal"].get(name),
             })
-    return {"config": {"drafters": cfg.drafters, "window": cfg.window, "buckets": cfg.buckets,
+    return {"config": {"drafters": cfg.drafters, "window": cfg.window, "buckets": cfg.buckets, "prompts": cfg.prompts,
                        "prompts_per_bucket": cfg.prompts_per_bucket, "max_new_tokens": cfg.max_new_tokens,
                        "block_size": K, "target": target.model_id, "greedy": True},
             "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}

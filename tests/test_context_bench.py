@@ -48,3 +48,18 @@ def test_rows_by_bucket_and_variant(setup):
 def test_bad_settings_are_refused(kw, match):
     with pytest.raises(BenchError, match=match):
         ContextBenchConfig(**kw)
+
+
+def test_any_prompt_file_is_bucketed_by_length(setup, tmp_path):
+    """Users' long prompts (a LongAlign file: 16K-64K on a GPU) go to buckets by token count."""
+    from pipelines.context_bench import bucket_prompts
+
+    _, target_dir, _ = setup
+    target = load_target(str(target_dir))
+    rows = [{"id": "short", "prompt": "word " * 250}, {"id": "mid", "prompt": "word " * 800}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = bucket_prompts(target, [1], 4, str(path))
+    assert got[1][0] == ["mid"] and 512 < len(got[1][1][0]) <= 1024
+    with pytest.raises(BenchError, match=r"bucket\(s\) \[2\]K"):
+        bucket_prompts(target, [1, 2], 4, str(path))
