@@ -153,7 +153,9 @@ def train_loop_per_worker(config: dict) -> None:
         if tc.length_buckets:  # sort a window of rows by length, cut it into batches, shuffle those
             windows = train_shard.iter_batches(batch_size=bucket_window(tc.batch_size, tc.shuffle_buffer),
                                                batch_format="pyarrow", prefetch_batches=1, **shuffle)
-            batches = bucketed(windows, tc.batch_size, (tc.seed, state.epoch, rank))
+            # one permutation for every worker: their k-th batches hold the same length rank of
+            # their windows, so DDP's all-reduce does not wait on one worker's longest batch
+            batches = bucketed(windows, tc.batch_size, (tc.seed, state.epoch))
         else:
             batches = train_shard.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow", prefetch_batches=2,
                                                **shuffle)
