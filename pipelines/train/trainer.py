@@ -560,7 +560,7 @@ def _longalign_sequences(recipe: TrainRecipe, target, run_uri: str) -> dict:
     # in a stable pseudo-random order: files often come sorted by length, and Ray Data splits
     # the rows file into contiguous shares, one per worker (measured: one DDP worker got every
     # 4K-8K conversation and ran at 93% CPU while the other waited at 27%)
-    rows = sorted(data.rows, key=lambda r: hashlib.sha256(r["id"].encode()).digest())
+    rows = sorted(data.rows, key=_hashed_order)
     sha = sequences_sha256(rows)
     lengths = [len(r["input_ids"]) for r in rows]
     pad = simulated_padding(lengths, tc.batch_size, tc.shuffle_buffer, tc.seed)
@@ -573,7 +573,9 @@ def _longalign_sequences(recipe: TrainRecipe, target, run_uri: str) -> dict:
         import pyarrow.parquet as pq
 
         with fs.open(path, "rb") as f:
-            have = sequences_sha256(pq.read_table(f, columns=["id", "input_ids", "loss_mask"]).to_pylist())
+            # content, not order: a rows file written before the hashed order still resumes
+            have = sequences_sha256(sorted(pq.read_table(f, columns=["id", "input_ids", "loss_mask"]).to_pylist(),
+                                           key=_hashed_order))
         if have != sha:
             raise ConfigError(f"train.longalign: run '{tc.run_name}' was started on other rows ({uri} has content "
                               f"sha256 {have[:12]}.., {tc.longalign} now gives {sha[:12]}..); use another "
@@ -589,6 +591,10 @@ def _longalign_sequences(recipe: TrainRecipe, target, run_uri: str) -> dict:
             fs.put_file(str(Path(tmp) / LONGALIGN_FILE), path)
     return {"uri": uri, "longalign": storage.absolute_uri(tc.longalign), "longalign_sha256": sha,
             "longalign_sequences": len(data.rows), "longalign_tokens": data.tokens}
+
+
+def _hashed_order(row: dict) -> bytes:
+    return hashlib.sha256(row["id"].encode()).digest()
 
 
 def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options: dict, train_ds) -> torch.Tensor:
