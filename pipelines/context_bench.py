@@ -95,17 +95,13 @@ def bucket_prompts(target, buckets: list[int], n: int, source: str = "longctx",
     for p in prompts:
         if all(len(ids) >= n for ids, _ in out.values()):
             break
-        if source == "longctx":
-            b = longctx_bucket(p.id)
-            if b not in out or len(out[b][0]) >= n:
-                continue
-            tokens = target.encode_chat(p.messages)
-        else:
-            tokens = target.encode_chat(p.messages)
-            b = next((b for b in sorted(buckets) if b * 512 < len(tokens) <= b * 1024), None)
-            if b is None or len(out[b][0]) >= n:
-                continue
-        if len(tokens) >= target.max_positions:
+        b = longctx_bucket(p.id) if source == "longctx" else None
+        if source == "longctx" and (b not in out or len(out[b][0]) >= n):
+            continue  # a bucket not asked for, or full: not worth templating
+        tokens = target.encode_chat(p.messages)
+        if source != "longctx":
+            b = next((b for b in buckets if b * 512 < len(tokens) <= b * 1024), None)
+        if b is None or len(out[b][0]) >= n or len(tokens) >= target.max_positions:
             continue
         out[b][0].append(p.id)
         out[b][1].append(tokens)

@@ -305,9 +305,9 @@ class DFlashProposer:
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.mask_id = drafter.config.mask_token_id
         self.max_pending = max_pending
-        self.windows = drafter.config.layer_windows
-        bounded = None not in self.windows and len(set(self.windows)) == 1
-        self.keep = self.windows[0] - 1 if bounded else None  # slots a block can see, when all layers slide
+        windows = set(drafter.config.layer_windows)
+        bounded = len(windows) == 1 and None not in windows
+        self.keep = windows.pop() - 1 if bounded else None  # slots a block can see, when all layers slide
         self.slack = max(16, (self.keep or 0) // 4)  # trim in batches: a gather per ~W/4 positions
         self.cache = DynamicCache()
         self.lens = torch.zeros(0, dtype=torch.long, device=target.device)  # cached slots per row
