@@ -5,6 +5,7 @@ pipelines/promote.py).
     python jobs/promote_drafter.py --model dflash-smollm2-135m --challenger latest --prompts sharegpt \\
         --num-prompts 8 --max-new-tokens 64
     python jobs/promote_drafter.py --model dflash-smollm2-135m --rollback
+    python jobs/promote_drafter.py --register specdec/drafters/smollm2-135m   # the first champion
     ray job submit --working-dir . -- python jobs/promote_drafter.py --target smollm2-135m --challenger 3
 
 One run measures the target alone (ar), the champion's drafter and the challenger's drafter
@@ -43,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--list", action="store_true", help="show versions, aliases, lineage and evaluation tags")
     what.add_argument("--rollback", action="store_true",
                       help="@champion <- @previous, @previous <- the demoted champion")
+    what.add_argument("--register", metavar="DIR", default=None,
+                      help="register this drafter directory (e.g. the packaged reference drafter "
+                           "specdec/drafters/smollm2-135m) as a new version, then evaluate it as the challenger; "
+                           "a directory already registered (same weights) is not registered twice")
     ap.add_argument("--model", default=None, help="registered model (default: dflash-<slug of --target>, "
                                                   "the name training registers)")
     ap.add_argument("--target", default=None,
@@ -110,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+        challenger = args.challenger
+        if args.register:
+            uri, challenger, new = P.register_directory(args.tracking_uri, name, args.register)
+            print(f"{'registered' if new else 'already registered:'} {args.register} as {name} v{challenger} "
+                  f"({uri})", flush=True)
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
         cfg = P.PromoteConfig(
             tracking_uri=args.tracking_uri, model=name, target=args.target, target_dtype=args.target_dtype,
-            challenger=args.challenger, prompts=args.prompts, num_prompts=args.num_prompts,
+            challenger=challenger, prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
             margin=args.margin, metric=args.metric, tolerance=args.tolerance, dry_run=args.dry_run, experiment=args.experiment,
             seed=args.seed, out=args.out)

@@ -440,6 +440,24 @@ class Rollback:
     previous_after: str
 
 
+def register_directory(tracking_uri: str | None, name: str, drafter_dir: str | Path) -> tuple[str, str, bool]:
+    """Register a drafter directory (the packaged reference drafter, one trained elsewhere)
+    as a version of ``name`` so that it can be evaluated and promoted like a trained one.
+    Returns (tracking URI, version, registered now); the same weights twice give the
+    version they already have. ``PromoteError`` when the directory is not a drafter."""
+    uri = registry.resolve_tracking_uri(tracking_uri)
+    db = registry.sqlite_file(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)  # a first registration creates the store
+    else:
+        registry.check_reachable(uri)
+    try:
+        version, new = registry.register_directory(uri, name, drafter_dir)
+    except FileNotFoundError as e:
+        raise PromoteError(f"--register: {e}") from None
+    return uri, version, new
+
+
 def rollback(tracking_uri: str | None, name: str) -> Rollback:
     """``@champion`` <- ``@previous`` and ``@previous`` <- the demoted champion (so a second
     rollback undoes the first). All-or-nothing like promotion."""

@@ -331,6 +331,37 @@ def test_long_context_challenger_is_judged_on_every_prompt_set(work, target, tar
     assert "long" in lines[v3] and f"v{v1}" in lines[v3] and "long" not in lines[v1]
 
 
+def test_register_a_drafter_directory_as_the_first_champion(work, target, target_dir, capsys, monkeypatch):
+    """--register DIR (how the packaged reference drafter becomes the first champion): a new
+    store is created, the directory becomes v1 with its lineage and weights hash, and is
+    judged against the target alone; the same weights again register nothing."""
+    from specdec.checkpoint import save_drafter
+
+    d = copy_anchor_drafter(target)
+    d.config.extra = {"target_model": str(target_dir), "target_identity": target.identity, "run_name": "elsewhere",
+                      "block_size": BLOCK}
+    src = save_drafter(d, work / "outside" / "drafter")
+    db = f"sqlite:///{work}/fresh-store/mlflow.db"  # its directory does not exist yet
+    base = ["--tracking-uri", db, "--model", MODEL, *PROMPT_ARGS]
+
+    monkeypatch.setattr(E, "measure", fake_measure({"1": 1.30}))
+    code, out, err = run_job(capsys, *base, "--register", str(src))
+    assert code == 0, err
+    assert f"registered {src} as {MODEL} v1" in out and "PROMOTED" in out and "target alone" in out
+    assert aliases(db, MODEL) == {"champion": "1"}
+    t = tags(db, MODEL, "1")
+    assert t["run_name"] == "elsewhere" and t["target_identity"] == target.identity
+    assert t["registered_from"] == str(src.resolve()) and len(t["weights_sha256"]) == 64
+
+    code, out, err = run_job(capsys, *base, "--register", str(src))
+    assert code == 1 and f"already registered: {src} as {MODEL} v1" in out and "already @champion" in err
+    assert len(registry.client(db).search_model_versions(f"name = '{MODEL}'")) == 1
+
+    (work / "outside" / "empty").mkdir()
+    code, out, err = run_job(capsys, *base, "--register", str(work / "outside" / "empty"))
+    assert code == 2 and "--register:" in err and "not a drafter directory" in err
+
+
 # ---------------------------------------------------------------------------- the flow
 @pytest.fixture(scope="module")
 def flow_versions(uri, target, target_dir):
