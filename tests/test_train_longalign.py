@@ -61,6 +61,23 @@ def test_longalign_recipe_matches_the_reference_drafter():
     assert t.export_dtype == "float16" and recipe.version_tags["context"] == "long"
 
 
+def test_evaluation_deals_batches_out_by_cost():
+    """Held-out batches go to the least loaded worker: with one 8K batch among short ones the
+    other worker takes the short ones (turn-taking by index gave worker 0 the long batch AND
+    half the rest); equal costs alternate; a batch's cost is rows x its longest row."""
+    import pyarrow as pa
+
+    from pipelines.train.trainer import batch_cost, take_turn
+
+    table = pa.table({"input_ids": [[1] * 3, [1] * 7]})
+    assert batch_cost(table) == 14
+    load = [0, 0]
+    assert [take_turn(load, c) for c in [16000, 2000, 2000, 2000, 2000, 2000]] == [0, 1, 1, 1, 1, 1]
+    assert load == [16000, 10000]
+    load = [0, 0, 0]
+    assert [take_turn(load, 5) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
 # ---------------------------------------------------------------------------- length buckets
 def test_length_buckets_cut_padding_and_keep_every_row_once():
     from pipelines.train.data import bucket_window, bucketed, padding_fraction, simulated_padding
