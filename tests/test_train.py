@@ -373,6 +373,7 @@ def test_ray_job_submit_to_a_real_head_with_s3_and_an_mlflow_server(work, target
         assert job.returncode == 0, out[-5000:]
         assert f"drafter: s3://{bucket}/train/job/drafter" in out and "succeeded" in out
         assert "registered: models:/dflash-cyclic-target/1" in out
+        assert "[eval] step 2 " in out and "Reporting training result" not in out  # one line, no metrics dicts
 
         client = MlflowClient(env["MLFLOW_TRACKING_URI"])
         mv = client.get_model_version("dflash-cyclic-target", "1")

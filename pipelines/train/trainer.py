@@ -59,6 +59,17 @@ def lr_at(progress: float, lr: float, warmup: float, min_ratio: float) -> float:
 
 
 # ============================================================================ worker
+def _quiet_report_logs() -> None:
+    """Ray Train logs every ``ray.train.report`` call with its whole metrics dict at INFO, on
+    every rank (a logger named by its file's path); the ``[train]`` lines and MLflow already
+    say it in one line, so the console keeps only its warnings."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: its logs stay as they are
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker: resume or start, train, evaluate, checkpoint."""
     import ray
@@ -68,6 +79,7 @@ def train_loop_per_worker(config: dict) -> None:
     from specdec.drafter import DFlashDrafter, DrafterConfig
 
     tc = TrainSection(**config["train"])
+    _quiet_report_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(tc.threads_per_worker or max(1, int(tc.cpus_per_worker)))
