@@ -173,8 +173,7 @@ def register_drafter(tracking_uri: str, run_id: str, source: str, name: str, tag
     return str(mv.version)
 
 
-def register_directory(tracking_uri: str, name: str, drafter_dir: str | Path, tags: dict | None = None,
-                       experiment: str | None = None) -> tuple[str, bool]:
+def register_directory(tracking_uri: str, name: str, drafter_dir: str | Path) -> tuple[str, bool]:
     """Register a drafter directory that no training run of this store made (the packaged
     reference drafter, one trained elsewhere) as a new version of ``name``: one MLflow run
     holds its files, the version carries its ``dflash_ray`` lineage, ``weights_sha256`` and
@@ -186,7 +185,7 @@ def register_directory(tracking_uri: str, name: str, drafter_dir: str | Path, ta
     d = Path(drafter_dir)
     if not ((d / "config.json").is_file() and (d / "model.safetensors").is_file()):
         raise FileNotFoundError(f"{d}: not a drafter directory (expected config.json and model.safetensors)")
-    digest = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
+    digest, where = sha256_bytes((d / "model.safetensors").read_bytes()), str(d.resolve())
     c = client(tracking_uri)
     try:
         versions = call(tracking_uri, f"listing versions of {name}",
@@ -197,12 +196,10 @@ def register_directory(tracking_uri: str, name: str, drafter_dir: str | Path, ta
         if (mv.tags or {}).get("weights_sha256") == digest:
             return str(mv.version), False
     extra = json.loads((d / "config.json").read_text()).get("dflash_ray") or {}
-    run_id = start_run(tracking_uri, experiment or name, f"register-{d.name}",
-                       tags={"dflash.registered_from": str(d.resolve())})
+    run_id = start_run(tracking_uri, name, f"register-{d.name}", tags={"dflash.registered_from": where})
     source = log_artifacts(tracking_uri, run_id, d, "drafter")
     version = register_drafter(tracking_uri, run_id, source, name,
-                               lineage_tags(extra) | (tags or {}) | {"weights_sha256": digest,
-                                                                     "registered_from": str(d.resolve())},
+                               lineage_tags(extra) | {"weights_sha256": digest, "registered_from": where},
                                description=f"registered from {d}")
     c.set_tag(run_id, "dflash.model_version", f"{name}/{version}")
     finish_run(tracking_uri, run_id)

@@ -254,7 +254,6 @@ def _all_reduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-@torch.no_grad()
 def batch_cost(table) -> int:
     """What evaluating a batch costs, in padded token slots (rows x longest row): the
     target's forward (online features) and the drafter's both run over the padded batch."""
@@ -274,6 +273,7 @@ def take_turn(load: list[int], cost: int) -> int:
     return owner
 
 
+@torch.no_grad()
 def evaluate(runner, holdout, collate: Collate, tc: TrainSection, device: torch.device, rank: int, world: int,
              shard: bool = True) -> dict:
     """Held-out loss, per-offset accuracy and simulated greedy tau over every held-out
