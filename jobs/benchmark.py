@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
 
 import transformers  # noqa: E402
 
-from specdec.bench import METHODS, BenchConfig, BenchError, format_report, run_benchmark, write_report  # noqa: E402
+from specdec.bench import DEFAULT_METHODS, METHODS, BenchConfig, BenchError, format_report, run_benchmark, write_report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -33,9 +33,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {','.join(METHODS)}")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma list of {','.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})")
     ap.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: exactly --max-new-tokens)")
-    ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10, help="HF prompt_lookup's draft length")
+    ap.add_argument("--lookup-block", type=int, default=8,
+                    help="our lookup and dflash_lookup: lookup drafts up to this block size (the drafter keeps "
+                         "--block-size)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--save-outputs", action="store_true", help="store generated token ids in the JSON")
     ap.add_argument("--out", default=None, help="write X.json and X.png")

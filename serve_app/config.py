@@ -34,6 +34,11 @@ class ServeConfig(BaseModel):
     block_size: int | Literal["auto", "off"] = Field(
         "auto", description="'auto': each replica picks the block size (1 = off) from measured acceptance "
         "and concurrency; an int: fixed block size; 'off': plain AR decoding")
+    lookup_block: int = Field(8, ge=0, description="Prompt lookup beside the drafter: where a row's context "
+                              "repeats its last 2-4 tokens, the block is the continuation found there, up to "
+                              "lookup_block tokens (the drafter drafts its own B elsewhere); 0 or 1: the drafter "
+                              "alone. Exact like any draft; the block-size controller still decides whether to "
+                              "speculate at all")
 
     # ---------------------------------------------------------------- limits
     max_batch_size: int = Field(16, ge=1, description="Rows a replica's engine decodes together")

@@ -105,14 +105,14 @@ class DFlashReplica:
         self.drafter_error: str | None = None
         drafter, version = await asyncio.to_thread(self._initial_drafter)
         self._seen_version = version
-        max_block = int(drafter.config.block_size) if drafter is not None else 1
+        max_block = max(int(drafter.config.block_size), self.cfg.lookup_block) if drafter is not None else 1
         self.metrics = ReplicaMetrics(max_block=max_block)
         self.metrics.drafter = {"source": (self.cfg.drafter_source or "") if drafter is not None else "",
                                 "version": version}
         self.worker = EngineWorker(self.target, drafter, version, mode=self.cfg.block_size,
                                    max_batch_size=self.cfg.max_batch_size,
                                    max_prefill_tokens=self.cfg.max_prefill_tokens, seed=self.cfg.seed,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, lookup_block=self.cfg.lookup_block)
         self._tasks = [asyncio.create_task(self._publish_metrics())]
         if self.source is not None and self.source.registry and self.cfg.registry_poll_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_registry()))

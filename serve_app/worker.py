@@ -23,6 +23,7 @@ from collections import deque
 
 
 from specdec.engine import DFlashProposer, Engine, Request
+from specdec.lookup import HybridProposer
 
 from serve_app.adaptive import BlockSizeController, CostModel
 from serve_app.metrics import ReplicaMetrics
@@ -87,26 +88,35 @@ class Stream:
 class _Generation:
     """An engine with one drafter (or none) and the controller that picks its block size."""
 
-    def __init__(self, target, drafter, version: str, mode, cost: CostModel, seed: int | None):
+    def __init__(self, target, drafter, version: str, mode, cost: CostModel, seed: int | None,
+                 lookup_block: int = 0):
         self.version = version
-        self.proposer = DFlashProposer(drafter, target) if drafter is not None else None
-        self.max_block = int(drafter.config.block_size) if drafter is not None else 1
+        self.proposer, self.max_block = None, 1
+        if drafter is not None:
+            B = int(drafter.config.block_size)
+            self.proposer = DFlashProposer(drafter, target)
+            if lookup_block > 1:  # lookup blocks up to lookup_block, the drafter's B elsewhere
+                self.proposer = HybridProposer(self.proposer, B)
+            self.max_block = max(B, lookup_block)
         self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
         self.controller = BlockSizeController(self.max_block, mode if drafter is not None else "off", cost)
         self.drafter = drafter
+        self.lookup_block = lookup_block
 
 
 class EngineWorker:
     def __init__(self, target, drafter=None, drafter_version: str = "", *, mode: str | int = "auto",
                  max_batch_size: int = 16, max_prefill_tokens: int = 1024, seed: int | None = None,
-                 metrics: ReplicaMetrics | None = None):
+                 metrics: ReplicaMetrics | None = None, lookup_block: int = 0):
         self.target = target
         self.mode = mode
+        self.lookup_block = lookup_block
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.seed = seed
         self.metrics = metrics or ReplicaMetrics()
-        self._gens: list[_Generation] = [_Generation(target, drafter, drafter_version, mode, CostModel(), seed)]
+        self._gens: list[_Generation] = [_Generation(target, drafter, drafter_version, mode, CostModel(), seed,
+                                                     lookup_block)]
         self.metrics.set_max_block(self._gens[0].max_block)
         self._live: dict[int, tuple[Stream, _Generation]] = {}  # id(request) -> owner
         self._cond = threading.Condition()
@@ -227,7 +237,8 @@ class EngineWorker:
     def _install(self, drafter, version: str) -> None:
         old = self._gens[0]
         cost = CostModel(verify=copy.deepcopy(old.controller.cost.verify))
-        self._gens.insert(0, _Generation(self.target, drafter, version, self.mode, cost, self.seed))
+        self._gens.insert(0, _Generation(self.target, drafter, version, self.mode, cost, self.seed,
+                                         self.lookup_block))
         self.metrics.set_max_block(self._gens[0].max_block)
         log.info("drafter version %s installed; %d rows finish on version %s", version,
                  len(old.engine.rows), old.version)
@@ -318,7 +329,8 @@ class EngineWorker:
             if owner is not None:
                 self.metrics.finished("error")
                 owner[0].push(("error", message))
-        fresh = _Generation(self.target, gen.drafter, gen.version, self.mode, gen.controller.cost, self.seed)
+        fresh = _Generation(self.target, gen.drafter, gen.version, self.mode, gen.controller.cost, self.seed,
+                            gen.lookup_block)
         self._gens = [fresh if g is gen else g for g in self._gens]
 
 

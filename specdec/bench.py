@@ -8,6 +8,9 @@ machine noise hits all methods alike. Methods:
 * ``hf_generate``: Hugging Face ``model.generate`` on the batch as given (left padding);
 * ``ar``: our Engine with no proposer (one target token per step);
 * ``dflash``: our Engine with a DFlash drafter;
+* ``lookup``: our Engine with prompt lookup (``specdec.lookup``, blocks of ``lookup_block``);
+* ``dflash_lookup``: our Engine with prompt lookup where the context repeats and the DFlash
+  drafter elsewhere (``HybridProposer``; what serving runs);
 * ``prompt_lookup``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF supports batch 1
   only, so larger batches run it prompt by prompt);
 * ``oracle``: our Engine proposing the ``ar`` output itself, i.e. the engine's ceiling;
@@ -41,12 +44,16 @@ import torch
 
 from specdec.drafter import check_block_size
 from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Result, length_histogram, tau_of
+from specdec.lookup import HybridProposer, LookupProposer
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 
-METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle", "vllm_ar", "vllm_dflash")
+METHODS = ("hf_generate", "ar", "dflash", "lookup", "dflash_lookup", "prompt_lookup", "oracle", "vllm_ar",
+           "vllm_dflash")
 #: what ``--methods`` runs when not given: vLLM starts engines in child processes (~30 s each)
-DEFAULT_METHODS = ("hf_generate", "ar", "dflash", "prompt_lookup", "oracle")
+DEFAULT_METHODS = ("hf_generate", "ar", "dflash", "dflash_lookup", "prompt_lookup", "oracle")
+#: methods that need a drafter
+DRAFTER_METHODS = ("dflash", "dflash_lookup", "vllm_dflash")
 
 
 class BenchError(ValueError):
@@ -71,6 +78,7 @@ class BenchConfig:
     seed: int = 0
     respect_eos: bool = False
     prompt_lookup_tokens: int = 10
+    lookup_block: int = 8  # lookup and dflash_lookup: lookup drafts up to lookup_block - 1 tokens
     warmup_tokens: int = 8
     threads: int | None = None
     progress: bool = True
@@ -87,9 +95,10 @@ class BenchConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise BenchError(f"unknown method(s) {bad or self.methods}; choose from {', '.join(METHODS)}")
-        for m in ("dflash", "vllm_dflash"):
+        default = self.methods == list(DEFAULT_METHODS)
+        for m in DRAFTER_METHODS:
             if m in self.methods and not self.drafter:
-                if self.methods == list(DEFAULT_METHODS):  # the default list: just skip dflash
+                if default:  # the default list: just skip the drafter's methods
                     self.methods = [x for x in self.methods if x != m]
                 else:
                     raise BenchError(f"method {m!r} needs --drafter DIR")
@@ -98,11 +107,12 @@ class BenchConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "prompt_lookup_tokens"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size is not None:
-            try:
+        try:
+            if self.block_size is not None:
                 check_block_size(self.block_size, "--block-size")
-            except ValueError as e:
-                raise BenchError(str(e)) from None
+            check_block_size(self.lookup_block, "--lookup-block")
+        except ValueError as e:
+            raise BenchError(str(e)) from None
         try:
             self.sampling  # validates temperature / top_p / top_k
         except ValueError as e:
@@ -320,7 +330,7 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = target or load_target_checked(cfg.target)
-    drafter = load_drafter_for(cfg.drafter, target) if {"dflash", "vllm_dflash"} & set(cfg.methods) else None
+    drafter = load_drafter_for(cfg.drafter, target) if set(DRAFTER_METHODS) & set(cfg.methods) else None
     prompt_ids, prompts = load_prompt_ids(target, cfg.prompts, cfg.num_prompts)
     params = cfg.sampling
     # every method stops the same way: at the target's stop tokens, or never
@@ -337,6 +347,9 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
         "hf_generate": lambda batch, n, seed, _: run_hf(target, batch, n, params, seed, stop),
         "ar": engine_method(target, params, None, K, stop),
         "dflash": engine_method(target, params, lambda: DFlashProposer(drafter, target), K, stop),
+        "lookup": engine_method(target, params, LookupProposer, cfg.lookup_block, stop),
+        "dflash_lookup": engine_method(target, params, lambda: HybridProposer(DFlashProposer(drafter, target), K),
+                                       max(K, cfg.lookup_block), stop),
         "prompt_lookup": prompt_lookup,
         "oracle": engine_method(target, params, OracleProposer, K, stop, oracle=True),
     }

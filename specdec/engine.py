@@ -122,7 +122,7 @@ class Proposer(Protocol):
     layer_ids: list[int] | None  # target layers whose features it reads (None: none)
 
     def admit(self, engine: "Engine", rows: list[Result], features: torch.Tensor | None, lens: torch.Tensor) -> None: ...
-    def propose(self, engine: "Engine", k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def propose(self, engine: "Engine", k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # (B, <= k) drafts, q
     def commit(self, features: torch.Tensor | None, keep: torch.Tensor) -> None: ...
     def select(self, idx: torch.Tensor) -> None: ...
 
@@ -202,8 +202,9 @@ class Engine:
         k = self._block_len(block_size or self.block_size) if self.proposer is not None else 1
         with clock("draft"):
             draft, q = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.anchors.device), None
-            if k > 1:
+            if k > 1:  # a proposer may draft fewer than k - 1 tokens (a lookup that found little)
                 draft, q = self.proposer.propose(self, k - 1)
+                k = draft.shape[1] + 1
 
         with clock("verify"):
             block = torch.cat([self.anchors[:, None], draft], dim=1)

@@ -22,7 +22,8 @@ from specdec.tiny import save_tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {"method", "tokens_per_s", "speedup_vs_ar", "tau_mean", "tau_hist", "draft_s", "verify_s", "overhead_s",
                "decode_tokens_per_s"}
-ALL = ["hf_generate", "ar", "dflash", "prompt_lookup", "oracle"]
+ALL = ["hf_generate", "ar", "dflash", "lookup", "dflash_lookup", "prompt_lookup", "oracle"]
+ENGINE = ("ar", "dflash", "lookup", "dflash_lookup", "oracle")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_benchmark_schema_exactness_and_plot(assets):
         assert set(r) == RESULT_KEYS
         assert isinstance(r["tokens_per_s"], float) and r["tokens_per_s"] > 0
         assert isinstance(r["speedup_vs_ar"], float)
-        engine = r["method"] in ("ar", "dflash", "oracle")
+        engine = r["method"] in ENGINE
         for k in ("tau_mean", "draft_s", "verify_s", "overhead_s", "decode_tokens_per_s"):
             assert isinstance(r[k], float) if engine else r[k] is None, (r["method"], k)
         if engine:  # prefill excluded: the decode rate is the higher one
@@ -83,7 +84,7 @@ def test_benchmark_schema_exactness_and_plot(assets):
     assert max(map(int, by["oracle"]["tau_hist"])) == 8
 
     ex = data["exactness"]
-    assert ex["applicable"] and all(ex["equal"][m] for m in ("dflash", "oracle", "prompt_lookup", "hf_generate")), ex
+    assert ex["applicable"] and all(ex["equal"][m] for m in ALL if m != "ar"), ex
     assert set(data["cost_terms"]["oracle"]) >= {"r_d", "r_v", "r_o", "tau"}
 
     outs = data["outputs"]
@@ -117,6 +118,10 @@ def test_benchmark_rejects_bad_flags():
     with pytest.raises(BenchError, match="--drafter"):
         BenchConfig(methods="ar,dflash", target="/models/other")
     assert BenchConfig(methods="oracle").methods == ["ar", "oracle"]
+    # the default list without a drafter drops every method that needs one
+    assert BenchConfig(target="/models/other").methods == ["hf_generate", "ar", "prompt_lookup", "oracle"]
+    with pytest.raises(BenchError, match="--lookup-block"):
+        BenchConfig(methods="ar,lookup", lookup_block=1)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

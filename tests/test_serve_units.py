@@ -318,6 +318,33 @@ def test_worker_batches_concurrent_requests_exactly(tiny):
         assert max(rows) > 1 and max(rows) <= 4  # shared verify passes, capped at max_batch_size
 
 
+def test_worker_with_prompt_lookup_runs_the_hybrid_proposer_exactly(tiny):
+    from specdec.checkpoint import load_drafter
+    from specdec.engine import Request
+    from specdec.lookup import HybridProposer
+    from serve_app.worker import EngineWorker
+
+    root, target = tiny
+    drafter = load_drafter(make_drafter(target, root / "d-lookup"), target=target)
+    prompts = [target.encode_chat([{"role": "user", "content": "say it again: " + "red blue " * (i + 2)}])
+               for i in range(4)]
+    want = [ar_tokens(target, p, 24) for p in prompts]
+
+    async def main():
+        worker = EngineWorker(target, drafter, "1", mode=8, max_batch_size=4, lookup_block=8)
+        try:
+            streams = [worker.submit(Request(p, max_new_tokens=24)) for p in prompts]
+            outs = await asyncio.gather(*[_drain(s) for s in streams])
+            return outs, worker._gens[0].proposer
+        finally:
+            worker.stop()
+
+    outs, proposer = asyncio.run(main())
+    assert [o[0] for o in outs] == want
+    assert isinstance(proposer, HybridProposer) and proposer.draft_len == int(drafter.config.block_size) - 1
+    assert proposer.tally["dflash"]  # (this random target never repeats itself: tests/test_lookup.py has both)
+
+
 def test_worker_cancel_frees_the_row_and_swap_keeps_live_rows(tiny):
     from specdec.checkpoint import load_drafter
     from specdec.engine import Request
