@@ -6,7 +6,8 @@
                  Train and registered as a new version
   3. promotion - the new version is evaluated against @champion and promoted only if it wins
   4. benchmark - AR vs the packaged reference drafter (specdec/drafters/smollm2-135m, what
-                 serving uses until a champion exists) vs the oracle ceiling, exactness checked
+                 serving uses until a champion exists), alone and with prompt lookup beside it
+                 (what serving runs), vs the oracle ceiling, exactness checked
 
 Each step is the same command a user runs (`ray job submit -- python jobs/...`), here run on
 a local Ray with a small budget so the whole demo takes minutes on a laptop CPU. Everything
@@ -78,7 +79,7 @@ def main() -> None:
     bench_drafter = str(reference or drafter)  # the one that pays, when shipped
     run("4/4 benchmark", ["jobs/benchmark.py", "--drafter", bench_drafter, "--prompts", "sharegpt",
                           "--num-prompts", "4", "--max-new-tokens", str(args.max_new_tokens),
-                          "--methods", "ar,dflash,oracle", "--out", f"{out}/bench.json"])
+                          "--methods", "ar,dflash,dflash_lookup,oracle", "--out", f"{out}/bench.json"])
     print(f"""
 Done. Artifacts under {out}/: features/ (manifest.json + shards), train/demo/ (checkpoints, drafter/),
 bench.json + bench.png, mlflow.db.

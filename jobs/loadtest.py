@@ -169,7 +169,7 @@ def start_apps(args) -> tuple[str, str]:
               "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
     if args.tracking_uri:
         common["tracking_uri"] = args.tracking_uri
-    spec = {**common, "drafter": args.drafter, "block_size": args.block_size}
+    spec = {**common, "drafter": args.drafter, "block_size": args.block_size, "lookup_block": args.lookup_block}
     ar = {**common, "drafter": "none"}
     serve.run(build_app(spec), name="spec", route_prefix="/spec")
     serve.run(build_app(ar), name="ar", route_prefix="/ar")
@@ -227,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--tracking-uri", default=None)
     ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--lookup-block", type=int, default=8, help="prompt lookup beside the drafter (0: drafter alone)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--torch-threads", type=int, default=None)
@@ -274,6 +275,7 @@ def main(argv=None) -> int:
         if cpu_speedup:  # robust to other load on the machine: tokens per replica CPU second
             print("spec/AR tokens per CPU-sec: " + "  ".join(f"c={c}: {v:.2f}x" for c, v in cpu_speedup.items()))
     report = {"urls": modes, "max_tokens": args.max_tokens, "requests_per_level": args.requests,
+              "lookup_block": args.lookup_block if args.start else None,
               "prompts": args.prompts, "results": results, "speedup": speedup, "cpu_speedup": cpu_speedup,
               "started_in_process": args.start, "drafter": args.drafter if args.start else None}
     out = Path(args.out)

@@ -54,15 +54,16 @@ class AcceptanceModel:
             self.attempts = [0.0] * self.max_drafts
             self.successes = [0.0] * self.max_drafts
 
-    def observe(self, drafted: int, accepted: list[int]) -> None:
-        """One cycle: every row drafted ``drafted`` tokens and accepted ``accepted[r]``."""
-        if drafted <= 0 or not accepted:
+    def observe(self, drafted: int | list[int], accepted: list[int]) -> None:
+        """One cycle: row r drafted ``drafted`` (or ``drafted[r]``) tokens and accepted ``accepted[r]``."""
+        per_row = drafted if isinstance(drafted, list) else [drafted] * len(accepted)
+        if not accepted or max(per_row, default=0) <= 0:
             return
         self.attempts = [a * self.decay for a in self.attempts]
         self.successes = [s * self.decay for s in self.successes]
-        for a in accepted:
+        for a, d in zip(accepted, per_row):
             # position j (1-based) was tried iff all earlier ones were accepted
-            for j in range(1, min(a + 1, drafted) + 1):
+            for j in range(1, min(a + 1, d, self.max_drafts) + 1):
                 self.attempts[j - 1] += 1.0
                 self.successes[j - 1] += 1.0 if a >= j else 0.0
 
@@ -145,9 +146,10 @@ class CostModel:
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=lambda: LinearCost(slope_ratio=0.1))
 
-    def observe(self, rows: int, k: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, rows: int, k: int, draft_s: float | None, verify_s: float) -> None:
+        """``draft_s`` None: no drafter pass ran (a lookup-only step), nothing to learn about it."""
         self.verify.observe(rows * k, verify_s)
-        if k > 1:
+        if k > 1 and draft_s is not None:
             self.draft.observe(rows * k, draft_s)
 
     def cycle_seconds(self, rows: int, k: int) -> float:
@@ -193,8 +195,12 @@ class BlockSizeController:
     """
 
     def __init__(self, max_block: int, mode: str | int = "auto", cost: CostModel | None = None,
-                 margin: float = 0.03, probe_budget: float = 0.01, probe_block: int = 4):
+                 margin: float = 0.03, probe_budget: float = 0.01, probe_block: int = 4, lookup_block: int = 0):
         self.max_block = max(1, int(max_block))
+        # prompt lookup beside the drafter: its own acceptance, its own block (1: off)
+        self.lookup_block = lookup_block if lookup_block > 1 and self.max_block > 1 else 1
+        self.lookup = AcceptanceModel(max_drafts=self.lookup_block - 1) if self.lookup_block > 1 else None
+        self._probing = False
         self.mode = mode
         self.cost = cost or CostModel()
         self.acceptance = AcceptanceModel(max_drafts=max(self.max_block - 1, 1))
@@ -211,20 +217,43 @@ class BlockSizeController:
             return max(1, min(int(self.mode), self.max_block))
         k, self.expected_speedup = choose_block_size(self.acceptance.survival(), self.cost, rows,
                                                      self.max_block, self.margin)
+        self._probing = False
         if k > 1:
             self._since_probe = 0
             return k
         self._since_probe += 1
         if self._since_probe >= probe_interval(self.cost, rows, self.probe_block, self.probe_budget):
             self._since_probe = 0
+            self._probing = True
             return self.probe_block
         return 1
 
-    def observe(self, rows: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def choose_lookup(self, rows: int) -> int:
+        """Block size for prompt-lookup drafts in the step ``choose`` was just asked about:
+        like the drafter's, the best expected rate from lookup's own measured acceptance
+        (1 = no lookup drafts), the whole ``lookup_block`` on probes and in fixed modes."""
+        if self.lookup is None or self.mode == "off":
+            return 1
+        if self.mode != "auto" or self._probing:
+            return self.lookup_block
+        return choose_block_size(self.lookup.survival(), self.cost, rows, self.lookup_block, self.margin)[0]
+
+    def observe(self, rows: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
+                drafted: list[tuple[str, int]] | None = None) -> None:
         """Learn from one step: block size k actually run over ``rows`` rows, the accepted
-        draft count of each row, and the measured drafter and verify seconds."""
+        draft count of each row, and the measured drafter and verify seconds. ``drafted``
+        (with prompt lookup): per row (source, tokens drafted), each source learning only
+        from its own rows."""
         if rows <= 0:
             return
-        self.cost.observe(rows, k, draft_s, verify_s)
-        if k > 1:
-            self.acceptance.observe(k - 1, accepted)
+        if not drafted:
+            self.cost.observe(rows, k, draft_s, verify_s)
+            if k > 1:
+                self.acceptance.observe(k - 1, accepted)
+            return
+        ran = any(src == "dflash" for src, _ in drafted)
+        self.cost.observe(rows, k, draft_s if ran else None, verify_s)
+        for src, model in (("dflash", self.acceptance), ("lookup", self.lookup)):
+            mine = [(n, a) for (s, n), a in zip(drafted, accepted) if s == src]
+            if mine and model is not None:
+                model.observe([n for n, _ in mine], [a for _, a in mine])

@@ -99,7 +99,9 @@ class _Generation:
                 self.proposer = HybridProposer(self.proposer, B)
             self.max_block = max(B, lookup_block)
         self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
-        self.controller = BlockSizeController(self.max_block, mode if drafter is not None else "off", cost)
+        self.controller = BlockSizeController(int(drafter.config.block_size) if drafter is not None else 1,
+                                              mode if drafter is not None else "off", cost,
+                                              lookup_block=lookup_block)
         self.drafter = drafter
         self.lookup_block = lookup_block
 
@@ -277,6 +279,11 @@ class EngineWorker:
     def _step(self, gen: _Generation) -> None:
         rows = list(gen.engine.rows)
         k = gen.controller.choose(len(rows))
+        hybrid = isinstance(gen.proposer, HybridProposer)
+        if hybrid:  # each source drafts what the controller measured it worth
+            k_look = gen.controller.choose_lookup(len(rows))
+            gen.proposer.draft_len, gen.proposer.lookup_len = k - 1, k_look - 1
+            k = max(k, k_look)
         try:
             done = gen.engine.step(k)
         except Exception as e:
@@ -286,7 +293,7 @@ class EngineWorker:
         cycle = gen.engine.last_cycle  # the block it really ran (the engine may shrink it) and its times
         k_run, draft_s, rest_s = cycle.k, cycle.draft_s, cycle.verify_s + cycle.overhead_s
         accepted = [r.stats.accepted[-1] for r in rows]
-        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s)
+        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s, gen.proposer.last if hybrid else None)
         self.metrics.cycle(len(rows), k_run, accepted, draft_s, rest_s, gen.controller.expected_speedup)
         for r in rows:
             owner = self._live.get(id(r.request))

@@ -85,17 +85,23 @@ class LookupProposer:
 
 
 class HybridProposer:
-    """Lookup where the context repeats itself, the DFlash drafter (at most ``block_size - 1``
-    drafts) where it does not. The engine's block size bounds the lookup drafts.
+    """Lookup where the context repeats itself, the DFlash drafter where it does not.
 
-    ``tally`` counts accepted drafts per source and cycle (benchmarks report both taus)."""
+    ``draft_len`` (default: the drafter's B - 1) bounds the drafter's drafts and
+    ``lookup_len`` (default: unbounded) the lookup's, both within the engine's block; a
+    serving controller sets them per step (0 turns a source off). After each step ``last``
+    holds, per row, (source, tokens drafted), source "lookup", "dflash" or "none"; ``tally``
+    keeps the accepted drafts per source (benchmarks report both)."""
 
     def __init__(self, dflash, block_size: int | None = None, min_n: int = 2, max_n: int = 4):
         self.dflash = dflash
         self.lookup = LookupProposer(min_n, max_n)
         self.draft_len = (block_size or int(dflash.drafter.config.block_size)) - 1
+        self.lookup_len: int | None = None
         self.needs_features, self.layer_ids = dflash.needs_features, dflash.layer_ids
-        self.sources: list[str] = []  # per row, what drafted its latest block
+        self.sources: list[str] = []  # this step's, per row, until commit moves them to ``last``
+        self.drafted: list[int] = []
+        self.last: list[tuple[str, int]] = []
         self.tally: dict[str, list[int]] = {"lookup": [], "dflash": []}
 
     def admit(self, engine, rows, features, lens):
@@ -103,12 +109,15 @@ class HybridProposer:
         self.lookup.admit(engine, rows, features, lens)
 
     def propose(self, engine, k: int):
-        conts = self.lookup.continuations(engine, k)
+        n_look = k if self.lookup_len is None else min(k, self.lookup_len)
+        conts = self.lookup.continuations(engine, n_look) if n_look > 0 else [[] for _ in engine.rows]
+        n_draft = min(k, self.draft_len)
         dev = engine.anchors.device
-        self.sources = ["lookup" if c else "dflash" for c in conts]
-        if all(conts):  # the drafter's context keeps filling through commit; no pass needed now
-            return _pad(conts, max(map(len, conts)), dev), None
-        width = max([min(k, self.draft_len)] + [len(c) for c in conts])
+        width = max([n_draft if not all(conts) else 0] + [len(c) for c in conts])
+        self.sources = ["lookup" if c else "dflash" if n_draft else "none" for c in conts]
+        self.drafted = [len(c) if c else width if n_draft else 0 for c in conts]
+        if all(conts) or n_draft == 0:  # no drafter pass; its context keeps filling through commit
+            return _pad(conts, width, dev), None
         draft, q = self.dflash.propose(engine, width)
         for i, c in enumerate(conts):
             if c:
@@ -120,9 +129,11 @@ class HybridProposer:
 
     def commit(self, features, keep):
         self.dflash.commit(features, keep)
-        for src, a in zip(self.sources, (keep - 1).tolist()):
-            self.tally[src].append(a)
-        self.sources = []
+        # what drafted this step, per row ([] after a step that drafted nothing): serving reads it
+        self.last, self.sources, self.drafted = list(zip(self.sources, self.drafted)), [], []
+        for (src, _), a in zip(self.last, (keep - 1).tolist()):
+            if src != "none":
+                self.tally[src].append(a)
 
     def select(self, idx):
         self.dflash.select(idx)

@@ -107,6 +107,31 @@ def test_controller_modes():
     assert BlockSizeController(1, "auto").choose(1) == 1  # no drafter
 
 
+def test_acceptance_counts_each_row_only_up_to_what_it_drafted():
+    m = AcceptanceModel(max_drafts=4, prior_weight=1e-6)
+    m.observe([2, 4], [2, 1])  # row 0 drafted 2 and kept both: position 3 was never tried
+    assert m.attempts == [2, 2, 0, 0] and m.successes == [2, 1, 0, 0]
+
+
+def test_controller_learns_lookup_and_drafter_apart():
+    """Lookup rows that accept whatever they draft and drafter rows that accept nothing: the
+    drafter is turned off, lookup keeps its whole block; lookup-only steps teach no drafter cost."""
+    ctl = BlockSizeController(4, "auto", lookup_block=8)
+    for _ in range(300):
+        k = ctl.choose(1)
+        kl = ctl.choose_lookup(1)
+        ctl.observe(2, max(k, kl), [kl - 1, 0], 0.0, 0.06 + 0.003 * 2 * max(k, kl),
+                    [("lookup", kl - 1), ("dflash", k - 1)] if k > 1 else [("lookup", kl - 1), ("none", 0)])
+    assert ctl.choose(1) == 1 and ctl.choose_lookup(1) == 8
+    assert ctl.acceptance.conditional()[0] < 0.05 and ctl.lookup.conditional()[0] > 0.95
+    lookup_only = BlockSizeController(4, "auto", lookup_block=8)
+    lookup_only.observe(1, 8, [7], 0.0, 0.07, [("lookup", 7)])
+    assert not lookup_only.cost.draft.fitted and lookup_only.cost.verify.fitted
+    assert BlockSizeController(4, "off", lookup_block=8).choose_lookup(1) == 1
+    assert BlockSizeController(4, 3, lookup_block=8).choose_lookup(1) == 8
+    assert BlockSizeController(1, "auto", lookup_block=8).choose_lookup(1) == 1  # no drafter: no lookup
+
+
 # ---------------------------------------------------------------------- protocol
 LIMITS = Limits("m", max_tokens_limit=64, default_max_tokens=16)
 MSG = [{"role": "user", "content": "hi"}]
