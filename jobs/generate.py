@@ -2,7 +2,8 @@
 
     python jobs/generate.py --prompt "Write a haiku about caches." [--drafter DIR | --oracle]
 
-Without --drafter (or --oracle) the engine runs plain autoregressive decoding.
+Without --drafter (or --oracle) the engine runs plain autoregressive decoding; with one, prompt
+lookup drafts beside it where the context repeats (--lookup-block 0: the drafter alone).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--drafter", default=None, help="DFlash drafter directory")
     src.add_argument("--oracle", action="store_true", help="propose the target's own AR continuation (engine ceiling)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's own B (16 otherwise)")
+    ap.add_argument("--lookup-block", type=int, default=8,
+                    help="with --drafter: prompt lookup beside it, up to this block (0: the drafter alone)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise BenchError("--max-new-tokens must be >= 1")
         try:
-            check_block_size(args.block_size, "--block-size")
+            if args.block_size is not None:
+                check_block_size(args.block_size, "--block-size")
             params = SamplingParams(args.temperature, args.top_p, args.top_k)
         except ValueError as e:
             raise BenchError(str(e)) from None
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"drafter directory not found: {args.drafter}")
         target = load_target_checked(args.target)
         drafter = load_drafter_for(args.drafter, target) if args.drafter else None
+        if args.block_size is None:
+            args.block_size = int(drafter.config.block_size) if drafter is not None else 16
         ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
         if not ids:
             raise BenchError("the prompt encodes to no tokens")
@@ -56,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result, wall = generate_one(target, ids, args.max_new_tokens, params, drafter=drafter, oracle=args.oracle,
-                                block_size=args.block_size, seed=args.seed)
-    mode = "dflash" if drafter is not None else "oracle" if args.oracle else "ar"
+                                block_size=args.block_size, seed=args.seed, lookup_block=args.lookup_block)
+    mode = ("dflash+lookup" if args.lookup_block > 1 else "dflash") if drafter is not None else \
+        "oracle" if args.oracle else "ar"
     print(target.decode(result.tokens))
-    print(f"--- stats ({mode}, block {args.block_size if mode != 'ar' else 1}, prompt {len(ids)} tokens) ---")
+    block = {"ar": "1", "dflash+lookup": f"{args.block_size}, lookup up to {max(args.block_size, args.lookup_block)}"}
+    print(f"--- stats ({mode}, block {block.get(mode, args.block_size)}, prompt {len(ids)} tokens) ---")
     print(format_stats(result, wall))
     return 0
 

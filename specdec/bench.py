@@ -544,12 +544,17 @@ def plot_report(report: dict, path: Path) -> None:
 
 # ---------------------------------------------------------------------- one prompt
 def generate_one(target: Target, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                 drafter=None, oracle: bool = False, block_size: int = 16, seed: int = 0) -> tuple[Result, float]:
-    """One prompt through the engine: AR, DFlash (``drafter``) or oracle (replays AR)."""
+                 drafter=None, oracle: bool = False, block_size: int = 16, seed: int = 0,
+                 lookup_block: int = 0) -> tuple[Result, float]:
+    """One prompt through the engine: AR, DFlash (``drafter``; with prompt lookup beside it
+    when ``lookup_block`` > 1) or oracle (replays AR)."""
     proposer = None
     oracles = None
     if drafter is not None:
         proposer = DFlashProposer(drafter, target)
+        if lookup_block > 1:
+            proposer = HybridProposer(proposer, block_size)
+            block_size = max(block_size, lookup_block)
     elif oracle:
         oracles = [run_engine(target, [prompt], max_new_tokens, params, seed=seed)[0][0].tokens]
         proposer = OracleProposer()

@@ -137,6 +137,7 @@ def test_generate_cli_prints_completion_and_stats(assets):
     for word in ("tokens 12", "tok/s", "cycles", "tau", "histogram", "draft", "verify", "overhead"):
         assert word in p.stdout, word
     assert p.stdout.split("--- stats")[0].strip()  # the completion text comes first
+    assert "(dflash+lookup, block 8, lookup up to 8," in p.stdout
 
 
 def test_generate_cli_bad_drafter_exits_2(assets, capsys):
