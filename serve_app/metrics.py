@@ -19,6 +19,9 @@ block_size                     gauge      block size of the last cycle (1 = spec
 expected_speedup               gauge      controller's predicted speedup over AR
 engine_cycles_total            counter    draft/verify cycles
 requests_total{finish_reason}  counter    finished requests (stop, length, cancelled, error)
+draft_tokens_total{source}     counter    tokens drafted, by source (dflash, lookup)
+accepted_draft_tokens_total    counter    drafted tokens the target accepted, by source
+  {source}                                (their ratio: each source's acceptance rate)
 process_cpu_seconds_total      counter    CPU time of the replica process (compare modes on a
                                           shared machine: CPU seconds per generated token)
 drafter_info{source,version}   gauge      1 for the drafter in use
@@ -69,6 +72,8 @@ class ReplicaMetrics:
         self.generated_tokens_total = 0
         self.engine_cycles_total = 0
         self.requests_total: dict[str, int] = defaultdict(int)
+        self.draft_tokens_total: dict[str, int] = defaultdict(int)  # by source
+        self.accepted_draft_tokens_total: dict[str, int] = defaultdict(int)
         self.queue_depth = 0
         self.active_requests = 0
         self.block_size = 1
@@ -88,9 +93,17 @@ class ReplicaMetrics:
 
     # -- engine thread
     def cycle(self, rows: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
-              expected_speedup: float) -> None:
+              expected_speedup: float, drafted: list[tuple[str, int]] | None = None) -> None:
+        """One engine step; ``drafted``: per row (source, tokens drafted), default all
+        rows drafted k - 1 tokens with the drafter."""
         now = time.monotonic()
+        if drafted is None:
+            drafted = [("dflash", k - 1)] * len(accepted) if k > 1 else []
         with self._lock:
+            for (src, n), a in zip(drafted, accepted):
+                if src != "none" and n > 0:
+                    self.draft_tokens_total[src] += n
+                    self.accepted_draft_tokens_total[src] += min(a, n)
             self.engine_cycles_total += 1
             self.block_size = k
             self.expected_speedup = expected_speedup
@@ -152,6 +165,8 @@ class ReplicaMetrics:
                 "generated_tokens_total": self.generated_tokens_total,
                 "engine_cycles_total": self.engine_cycles_total,
                 "requests_total": dict(self.requests_total),
+                "draft_tokens_total": dict(self.draft_tokens_total),
+                "accepted_draft_tokens_total": dict(self.accepted_draft_tokens_total),
                 "queue_depth": self.queue_depth,
                 "active_requests": self.active_requests,
                 "block_size": self.block_size,
@@ -195,6 +210,8 @@ _HELP = {
     "generated_tokens_total": ("counter", "Tokens sent to clients"),
     "engine_cycles_total": ("counter", "Draft/verify cycles run"),
     "requests_total": ("counter", "Finished requests by finish reason"),
+    "draft_tokens_total": ("counter", "Tokens drafted, by source (dflash, lookup)"),
+    "accepted_draft_tokens_total": ("counter", "Drafted tokens the target accepted, by source"),
     "queue_depth": ("gauge", "Requests waiting for a batch slot"),
     "active_requests": ("gauge", "Rows in the engine batch"),
     "block_size": ("gauge", "Block size of the last cycle (1 = speculation off)"),
@@ -243,6 +260,9 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
             elif name == "requests_total":
                 for reason, n in sorted(snap[name].items()):
                     lines.append(f"{full}{_labels(replica=rid, finish_reason=reason)} {n}")
+            elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
+                for src, n in sorted(snap.get(name, {}).items()):
+                    lines.append(f"{full}{_labels(replica=rid, source=src)} {n}")
             else:
                 lines.append(f"{full}{_labels(replica=rid)} {_fmt(snap.get(name, 0))}")
     if http_counts is not None:

@@ -293,8 +293,9 @@ class EngineWorker:
         cycle = gen.engine.last_cycle  # the block it really ran (the engine may shrink it) and its times
         k_run, draft_s, rest_s = cycle.k, cycle.draft_s, cycle.verify_s + cycle.overhead_s
         accepted = [r.stats.accepted[-1] for r in rows]
-        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s, gen.proposer.last if hybrid else None)
-        self.metrics.cycle(len(rows), k_run, accepted, draft_s, rest_s, gen.controller.expected_speedup)
+        drafted = gen.proposer.last if hybrid else None
+        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s, drafted)
+        self.metrics.cycle(len(rows), k_run, accepted, draft_s, rest_s, gen.controller.expected_speedup, drafted)
         for r in rows:
             owner = self._live.get(id(r.request))
             if owner is not None:

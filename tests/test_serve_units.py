@@ -505,6 +505,12 @@ def test_prometheus_rendering_parses():
         assert name in fams, name
     acc = {s.labels.get("le"): s.value for s in fams["dflash_accepted_length"].samples if s.name.endswith("_bucket")}
     assert acc["1"] == 1 and acc["4"] == 2 and acc["+Inf"] == 2
+    # per-source draft counters: the drafter's default, then a hybrid step of both sources
+    m.cycle(3, 8, [7, 1, 0], 0.0, 0.06, 1.5, [("lookup", 7), ("dflash", 7), ("none", 0)])
+    fams = {f.name: f for f in text_string_to_metric_families(render_prometheus({"r1": m.snapshot()}))}
+    drafted = {s.labels["source"]: s.value for s in fams["dflash_draft_tokens"].samples}
+    kept = {s.labels["source"]: s.value for s in fams["dflash_accepted_draft_tokens"].samples}
+    assert drafted == {"dflash": 3 + 3 + 7, "lookup": 7} and kept == {"dflash": 3 + 0 + 1, "lookup": 7}
 
 
 def test_config_defaults_builder_args_and_yaml():
