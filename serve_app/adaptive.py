@@ -152,10 +152,11 @@ class CostModel:
         if k > 1 and draft_s is not None:
             self.draft.observe(rows * k, draft_s)
 
-    def cycle_seconds(self, rows: int, k: int) -> float:
+    def cycle_seconds(self, rows: int, k: int, drafter: bool = True) -> float:
+        """Predicted seconds of a step of block k over ``rows`` rows (``drafter``: with a drafter pass)."""
         n = rows * k
         v = self.verify.predict(n) if self.verify.fitted else 1.0 + VERIFY_SLOPE_PRIOR * n
-        if k == 1:
+        if k == 1 or not drafter:
             return v
         d = self.draft.predict(n) if self.draft.fitted else DRAFT_FRACTION_PRIOR * v
         return v + d
@@ -200,6 +201,7 @@ class BlockSizeController:
         # prompt lookup beside the drafter: its own acceptance, its own block (1: off)
         self.lookup_block = lookup_block if lookup_block > 1 and self.max_block > 1 else 1
         self.lookup = AcceptanceModel(max_drafts=self.lookup_block - 1) if self.lookup_block > 1 else None
+        self.match = [1.0, 2.0]  # decayed (rows whose context had a lookup match, rows looked at): prior 0.5
         self._probing = False
         self.mode = mode
         self.cost = cost or CostModel()
@@ -228,24 +230,45 @@ class BlockSizeController:
             return self.probe_block
         return 1
 
-    def choose_lookup(self, rows: int) -> int:
-        """Block size for prompt-lookup drafts in the step ``choose`` was just asked about:
-        like the drafter's, the best expected rate from lookup's own measured acceptance
-        (1 = no lookup drafts), the whole ``lookup_block`` on probes and in fixed modes."""
+    @property
+    def match_rate(self) -> float:
+        """Recent fraction of rows whose context had a lookup match."""
+        return self.match[0] / self.match[1]
+
+    def choose_lookup(self, rows: int, k: int) -> int:
+        """Block size for prompt-lookup drafts in a step whose drafter block is ``k`` (1 = no
+        lookup drafts): the best expected rate over the whole batch, where only the matched
+        share of rows (``match_rate``) drafts from lookup and every row pays the padded width
+        max(k, k_l) in the verify pass; the whole ``lookup_block`` on probes and in fixed modes."""
         if self.lookup is None or self.mode == "off":
             return 1
         if self.mode != "auto" or self._probing:
             return self.lookup_block
-        return choose_block_size(self.lookup.survival(), self.cost, rows, self.lookup_block, self.margin)[0]
+        rows, m = max(rows, 1), self.match_rate
+        s_look, s_draft = self.lookup.survival(), self.acceptance.survival()
+
+        def rate(k_look: int) -> float:
+            width = max(k, k_look)
+            drafter = expected_tau(s_draft, width) if k > 1 else 1.0  # rows the drafter drafts for
+            matched = expected_tau(s_look, k_look) if k_look > 1 else drafter
+            tokens = m * matched + (1 - m) * drafter
+            return tokens / max(self.cost.cycle_seconds(rows, width, drafter=k > 1), 1e-9)
+
+        base = rate(1)
+        best = max(range(2, self.lookup_block + 1), key=rate)
+        return best if rate(best) > base * (1.0 + self.margin) else 1
 
     def observe(self, rows: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
-                drafted: list[tuple[str, int]] | None = None) -> None:
+                drafted: list[tuple[str, int]] | None = None, matched: list[bool] | None = None) -> None:
         """Learn from one step: block size k actually run over ``rows`` rows, the accepted
-        draft count of each row, and the measured drafter and verify seconds. ``drafted``
-        (with prompt lookup): per row (source, tokens drafted), each source learning only
-        from its own rows."""
+        draft count of each row, and the measured drafter and verify seconds. With prompt
+        lookup: ``drafted`` per row (source, tokens drafted), each source learning only from
+        its own rows, and ``matched`` per row whether its context had a lookup match."""
         if rows <= 0:
             return
+        if matched:
+            d = self.lookup.decay if self.lookup is not None else 0.995
+            self.match = [d * self.match[0] + sum(matched), d * self.match[1] + len(matched)]
         if not drafted:
             self.cost.observe(rows, k, draft_s, verify_s)
             if k > 1:

@@ -281,7 +281,7 @@ class EngineWorker:
         k = gen.controller.choose(len(rows))
         hybrid = isinstance(gen.proposer, HybridProposer)
         if hybrid:  # each source drafts what the controller measured it worth
-            k_look = gen.controller.choose_lookup(len(rows))
+            k_look = gen.controller.choose_lookup(len(rows), k)
             gen.proposer.draft_len, gen.proposer.lookup_len = k - 1, k_look - 1
             k = max(k, k_look)
         try:
@@ -294,7 +294,8 @@ class EngineWorker:
         k_run, draft_s, rest_s = cycle.k, cycle.draft_s, cycle.verify_s + cycle.overhead_s
         accepted = [r.stats.accepted[-1] for r in rows]
         drafted = gen.proposer.last if hybrid else None
-        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s, drafted)
+        gen.controller.observe(len(rows), k_run, accepted, draft_s, rest_s, drafted,
+                               gen.proposer.last_matched if hybrid else None)
         self.metrics.cycle(len(rows), k_run, accepted, draft_s, rest_s, gen.controller.expected_speedup, drafted)
         for r in rows:
             owner = self._live.get(id(r.request))

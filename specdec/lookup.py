@@ -90,7 +90,8 @@ class HybridProposer:
     ``draft_len`` (default: the drafter's B - 1) bounds the drafter's drafts and
     ``lookup_len`` (default: unbounded) the lookup's, both within the engine's block; a
     serving controller sets them per step (0 turns a source off). After each step ``last``
-    holds, per row, (source, tokens drafted), source "lookup", "dflash" or "none"; ``tally``
+    holds, per row, (source, tokens drafted), source "lookup", "dflash" or "none", and
+    ``last_matched`` whether the row's context had a lookup match (used or not); ``tally``
     keeps the accepted drafts per source (benchmarks report both)."""
 
     def __init__(self, dflash, block_size: int | None = None, min_n: int = 2, max_n: int = 4):
@@ -102,6 +103,8 @@ class HybridProposer:
         self.sources: list[str] = []  # this step's, per row, until commit moves them to ``last``
         self.drafted: list[int] = []
         self.last: list[tuple[str, int]] = []
+        self.matched: list[bool] = []
+        self.last_matched: list[bool] = []
         self.tally: dict[str, list[int]] = {"lookup": [], "dflash": []}
 
     def admit(self, engine, rows, features, lens):
@@ -110,7 +113,10 @@ class HybridProposer:
 
     def propose(self, engine, k: int):
         n_look = k if self.lookup_len is None else min(k, self.lookup_len)
-        conts = self.lookup.continuations(engine, n_look) if n_look > 0 else [[] for _ in engine.rows]
+        conts = self.lookup.continuations(engine, max(n_look, 1))
+        self.matched = [bool(c) for c in conts]  # even with lookup off: a controller learns the match rate
+        if n_look == 0:
+            conts = [[] for _ in conts]
         n_draft = min(k, self.draft_len)
         dev = engine.anchors.device
         width = max([n_draft if not all(conts) else 0] + [len(c) for c in conts])
@@ -131,6 +137,7 @@ class HybridProposer:
         self.dflash.commit(features, keep)
         # what drafted this step, per row ([] after a step that drafted nothing): serving reads it
         self.last, self.sources, self.drafted = list(zip(self.sources, self.drafted)), [], []
+        self.last_matched, self.matched = self.matched, []
         for (src, _), a in zip(self.last, (keep - 1).tolist()):
             if src != "none":
                 self.tally[src].append(a)

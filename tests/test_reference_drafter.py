@@ -12,6 +12,7 @@ from specdec.assets import reference_drafter
 from specdec.bench import load_prompt_ids
 from specdec.checkpoint import load_drafter
 from specdec.engine import DFlashProposer, Engine, Request
+from specdec.lookup import HybridProposer
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,12 @@ def test_exact_and_accepted_on_held_out_prompts(ref, smollm2):
     accepted = [a for r in spec for a in r.stats.accepted]
     tau = 1 + sum(accepted) / len(accepted)
     assert tau >= TAU_FLOOR, f"reference drafter tau {tau:.3f} fell below its floor {TAU_FLOOR}"
+    # with prompt lookup beside it (what serving runs): still exact, and it commits more per cycle
+    hybrid = HybridProposer(DFlashProposer(drafter, t), drafter.config.block_size)
+    both = Engine(t, hybrid, block_size=8).generate(requests())
+    assert [r.tokens for r in both] == [r.tokens for r in ar]
+    accepted = [a for r in both for a in r.stats.accepted]
+    assert hybrid.tally["lookup"] and 1 + sum(accepted) / len(accepted) > tau
 
 
 def test_serving_and_the_benchmark_use_it_by_default(ref):

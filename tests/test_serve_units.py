@@ -119,17 +119,34 @@ def test_controller_learns_lookup_and_drafter_apart():
     ctl = BlockSizeController(4, "auto", lookup_block=8)
     for _ in range(300):
         k = ctl.choose(1)
-        kl = ctl.choose_lookup(1)
+        kl = ctl.choose_lookup(1, k)
         ctl.observe(2, max(k, kl), [kl - 1, 0], 0.0, 0.06 + 0.003 * 2 * max(k, kl),
-                    [("lookup", kl - 1), ("dflash", k - 1)] if k > 1 else [("lookup", kl - 1), ("none", 0)])
-    assert ctl.choose(1) == 1 and ctl.choose_lookup(1) == 8
+                    [("lookup", kl - 1), ("dflash", k - 1)] if k > 1 else [("lookup", kl - 1), ("none", 0)],
+                    [True, False])
+    assert ctl.choose(1) == 1 and ctl.choose_lookup(1, 1) == 8 and ctl.match_rate == pytest.approx(0.5, abs=0.01)
     assert ctl.acceptance.conditional()[0] < 0.05 and ctl.lookup.conditional()[0] > 0.95
     lookup_only = BlockSizeController(4, "auto", lookup_block=8)
     lookup_only.observe(1, 8, [7], 0.0, 0.07, [("lookup", 7)])
     assert not lookup_only.cost.draft.fitted and lookup_only.cost.verify.fitted
-    assert BlockSizeController(4, "off", lookup_block=8).choose_lookup(1) == 1
-    assert BlockSizeController(4, 3, lookup_block=8).choose_lookup(1) == 8
-    assert BlockSizeController(1, "auto", lookup_block=8).choose_lookup(1) == 1  # no drafter: no lookup
+    assert BlockSizeController(4, "off", lookup_block=8).choose_lookup(1, 1) == 1
+    assert BlockSizeController(4, 3, lookup_block=8).choose_lookup(1, 3) == 8
+    assert BlockSizeController(1, "auto", lookup_block=8).choose_lookup(1, 1) == 1  # no drafter: no lookup
+
+
+def test_lookup_block_weighs_the_match_rate_against_padding_every_row():
+    """Rarely matched rows: worth a long lookup block at batch 1, not at batch 16, where every
+    unmatched row pays the padded width in the verify pass."""
+    ctl = BlockSizeController(4, "auto", lookup_block=8)
+    for n in (1, 8, 16, 64, 128):  # a SmolLM2-on-CPU-like verify cost, a + b n
+        for _ in range(20):
+            ctl.cost.observe(1, n, None, 0.05 + 0.003 * n)
+    for _ in range(200):
+        ctl.lookup.observe([7], [7])  # whatever lookup drafts is accepted
+    ctl.match = [100.0, 1000.0]  # ... but only one row in ten has a match
+    assert ctl.choose_lookup(1, 1) == 8
+    assert ctl.choose_lookup(16, 1) == 1
+    ctl.match = [900.0, 1000.0]
+    assert ctl.choose_lookup(16, 1) > 1
 
 
 # ---------------------------------------------------------------------- protocol
