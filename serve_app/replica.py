@@ -105,8 +105,7 @@ class DFlashReplica:
         self.drafter_error: str | None = None
         drafter, version = await asyncio.to_thread(self._initial_drafter)
         self._seen_version = version
-        max_block = max(int(drafter.config.block_size), self.cfg.lookup_block) if drafter is not None else 1
-        self.metrics = ReplicaMetrics(max_block=max_block)
+        self.metrics = ReplicaMetrics(max_block=1)  # the worker sizes it for its engine's block
         self.metrics.drafter = {"source": (self.cfg.drafter_source or "") if drafter is not None else "",
                                 "version": version}
         self.worker = EngineWorker(self.target, drafter, version, mode=self.cfg.block_size,

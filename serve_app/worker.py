@@ -22,8 +22,8 @@ import time
 from collections import deque
 
 
-from specdec.engine import DFlashProposer, Engine, Request
-from specdec.lookup import HybridProposer
+from specdec.engine import Engine, Request
+from specdec.lookup import HybridProposer, drafter_proposer, engine_block
 
 from serve_app.adaptive import BlockSizeController, CostModel
 from serve_app.metrics import ReplicaMetrics
@@ -91,16 +91,11 @@ class _Generation:
     def __init__(self, target, drafter, version: str, mode, cost: CostModel, seed: int | None,
                  lookup_block: int = 0):
         self.version = version
-        self.proposer, self.max_block = None, 1
-        if drafter is not None:
-            B = int(drafter.config.block_size)
-            self.proposer = DFlashProposer(drafter, target)
-            if lookup_block > 1:  # lookup blocks up to lookup_block, the drafter's B elsewhere
-                self.proposer = HybridProposer(self.proposer, B)
-            self.max_block = max(B, lookup_block)
+        B = int(drafter.config.block_size) if drafter is not None else 1
+        self.proposer = drafter_proposer(drafter, target, B, lookup_block) if drafter is not None else None
+        self.max_block = engine_block(B, lookup_block) if drafter is not None else 1
         self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
-        self.controller = BlockSizeController(int(drafter.config.block_size) if drafter is not None else 1,
-                                              mode if drafter is not None else "off", cost,
+        self.controller = BlockSizeController(B, mode if drafter is not None else "off", cost,
                                               lookup_block=lookup_block)
         self.drafter = drafter
         self.lookup_block = lookup_block

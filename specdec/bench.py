@@ -44,7 +44,7 @@ import torch
 
 from specdec.drafter import check_block_size
 from specdec.engine import DFlashProposer, Engine, OracleProposer, Request, Result, length_histogram, tau_of
-from specdec.lookup import HybridProposer, LookupProposer
+from specdec.lookup import LookupProposer, drafter_proposer, engine_block
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 
@@ -348,8 +348,8 @@ def run_benchmark(cfg: BenchConfig, target: Target | None = None) -> dict:
         "ar": engine_method(target, params, None, K, stop),
         "dflash": engine_method(target, params, lambda: DFlashProposer(drafter, target), K, stop),
         "lookup": engine_method(target, params, LookupProposer, cfg.lookup_block, stop),
-        "dflash_lookup": engine_method(target, params, lambda: HybridProposer(DFlashProposer(drafter, target), K),
-                                       max(K, cfg.lookup_block), stop),
+        "dflash_lookup": engine_method(target, params, lambda: drafter_proposer(drafter, target, K, cfg.lookup_block),
+                                       engine_block(K, cfg.lookup_block), stop),
         "prompt_lookup": prompt_lookup,
         "oracle": engine_method(target, params, OracleProposer, K, stop, oracle=True),
     }
@@ -551,10 +551,8 @@ def generate_one(target: Target, prompt: list[int], max_new_tokens: int, params:
     proposer = None
     oracles = None
     if drafter is not None:
-        proposer = DFlashProposer(drafter, target)
-        if lookup_block > 1:
-            proposer = HybridProposer(proposer, block_size)
-            block_size = max(block_size, lookup_block)
+        proposer = drafter_proposer(drafter, target, block_size, lookup_block)
+        block_size = engine_block(block_size, lookup_block)
     elif oracle:
         oracles = [run_engine(target, [prompt], max_new_tokens, params, seed=seed)[0][0].tokens]
         proposer = OracleProposer()

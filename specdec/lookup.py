@@ -89,10 +89,11 @@ class HybridProposer:
 
     ``draft_len`` (default: the drafter's B - 1) bounds the drafter's drafts and
     ``lookup_len`` (default: unbounded) the lookup's, both within the engine's block; a
-    serving controller sets them per step (0 turns a source off). After each step ``last``
-    holds, per row, (source, tokens drafted), source "lookup", "dflash" or "none", and
-    ``last_matched`` whether the row's context had a lookup match (used or not); ``tally``
-    keeps the accepted drafts per source (benchmarks report both)."""
+    serving controller sets them per step (0 turns a source off). ``proposed`` holds, per
+    row, (source, tokens drafted) of the block being verified, source "lookup", "dflash" or
+    "none", and ``matched`` whether the row's context had a lookup match (used or not);
+    ``commit`` moves both to ``last`` / ``last_matched`` (empty after a step that drafted
+    nothing). ``tally`` keeps the accepted drafts per source (benchmarks report both)."""
 
     def __init__(self, dflash, block_size: int | None = None, min_n: int = 2, max_n: int = 4):
         self.dflash = dflash
@@ -100,10 +101,9 @@ class HybridProposer:
         self.draft_len = (block_size or int(dflash.drafter.config.block_size)) - 1
         self.lookup_len: int | None = None
         self.needs_features, self.layer_ids = dflash.needs_features, dflash.layer_ids
-        self.sources: list[str] = []  # this step's, per row, until commit moves them to ``last``
-        self.drafted: list[int] = []
-        self.last: list[tuple[str, int]] = []
+        self.proposed: list[tuple[str, int]] = []
         self.matched: list[bool] = []
+        self.last: list[tuple[str, int]] = []
         self.last_matched: list[bool] = []
         self.tally: dict[str, list[int]] = {"lookup": [], "dflash": []}
 
@@ -120,8 +120,7 @@ class HybridProposer:
         n_draft = min(k, self.draft_len)
         dev = engine.anchors.device
         width = max([n_draft if not all(conts) else 0] + [len(c) for c in conts])
-        self.sources = ["lookup" if c else "dflash" if n_draft else "none" for c in conts]
-        self.drafted = [len(c) if c else width if n_draft else 0 for c in conts]
+        self.proposed = [("lookup", len(c)) if c else ("dflash", width) if n_draft else ("none", 0) for c in conts]
         if all(conts) or n_draft == 0:  # no drafter pass; its context keeps filling through commit
             return _pad(conts, width, dev), None
         draft, q = self.dflash.propose(engine, width)
@@ -136,7 +135,7 @@ class HybridProposer:
     def commit(self, features, keep):
         self.dflash.commit(features, keep)
         # what drafted this step, per row ([] after a step that drafted nothing): serving reads it
-        self.last, self.sources, self.drafted = list(zip(self.sources, self.drafted)), [], []
+        self.last, self.proposed = self.proposed, []
         self.last_matched, self.matched = self.matched, []
         for (src, _), a in zip(self.last, (keep - 1).tolist()):
             if src != "none":
@@ -149,6 +148,21 @@ class HybridProposer:
     @property
     def kv_bytes(self) -> int:
         return self.dflash.kv_bytes
+
+
+def drafter_proposer(drafter, target, block_size: int, lookup_block: int = 0):
+    """A drafter drafting blocks of ``block_size``: alone, or with prompt lookup beside it
+    when ``lookup_block`` > 1. Run it in an engine of ``engine_block(block_size, lookup_block)``."""
+    from specdec.engine import DFlashProposer
+
+    proposer = DFlashProposer(drafter, target)
+    return HybridProposer(proposer, block_size) if lookup_block > 1 else proposer
+
+
+def engine_block(block_size: int, lookup_block: int = 0) -> int:
+    """The engine's block for ``drafter_proposer``: it bounds the lookup drafts, the drafter
+    keeps its own ``block_size``."""
+    return max(block_size, lookup_block) if lookup_block > 1 else block_size
 
 
 def _pad(conts: list[list[int]], width: int, device) -> torch.Tensor:

@@ -118,7 +118,7 @@ def test_hybrid_q_is_one_hot_on_lookup_positions_and_the_drafters_law_elsewhere(
     for row, a in zip(eng.rows, (3, 8)):
         row.tokens[-1] = a
     draft, q = prop.propose(eng, 5)
-    assert prop.sources == ["lookup", "dflash"] and prop.drafted == [3, 5]
+    assert prop.proposed == [("lookup", 3), ("dflash", 5)]
     c = prop.lookup.index[0].lookup(5)
     assert len(c) < 5 and draft[0, :len(c)].tolist() == c
     for j, tok in enumerate(c):
