@@ -13,7 +13,7 @@ STAMP     := $(VENV)/.installed
 ASSETS    := $(VENV)/.assets
 PYTEST_ARGS ?=
 
-.PHONY: setup vllm assets test test-fast demo bench bench-train clean-cache lint
+.PHONY: setup vllm assets test test-fast demo demo-stop bench bench-train clean-cache lint
 
 setup: $(STAMP)
 
@@ -51,8 +51,12 @@ test: setup assets
 test-fast: setup assets
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# the whole life of a drafter; the served apps keep running until `make demo-stop`
 demo: setup assets
-	$(BIN)/python jobs/demo.py
+	$(BIN)/python jobs/demo.py $(DEMO_ARGS)
+
+demo-stop:
+	$(BIN)/python jobs/demo.py --stop
 
 bench: setup assets
 	$(BIN)/python jobs/benchmark.py --out runs/bench/engine.json

@@ -1,96 +1,55 @@
-"""The main job end to end on the embedded defaults (what `make demo` runs):
+"""The main job end to end on the embedded defaults (what `make demo` runs): local stack ->
+features (ray job submit) -> the packaged reference drafter as first @champion -> training
+(ray job submit, Ray Train) -> promotion vs @champion -> serve run (speculative app following
+@champion beside the target alone) -> chat requests with the openai client -> summary JSON + PNG.
+Stages and what each prints: pipelines/demo.py. Re-running reuses what is done.
 
-  1. features  - SmolLM2 answers ShareGPT prompts; hidden states of 5 layers go to Parquet shards
-  2. training  - the packaged reference drafter is registered in MLflow as the first @champion
-                 (when it beats the target alone); a 2-layer DFlash drafter is fitted with Ray
-                 Train and registered as a new version
-  3. promotion - the new version is evaluated against @champion and promoted only if it wins
-  4. benchmark - AR vs the packaged reference drafter (specdec/drafters/smollm2-135m, what
-                 serving uses until a champion exists), alone and with prompt lookup beside it
-                 (what serving runs), vs the oracle ceiling, exactness checked
-
-Each step is the same command a user runs (`ray job submit -- python jobs/...`), here run on
-a local Ray with a small budget so the whole demo takes minutes on a laptop CPU. Everything
-lands under runs/demo/ (MLflow: sqlite:///runs/demo/mlflow.db). Re-running resumes/reuses.
-
-    python jobs/demo.py [--prompts 64] [--max-new-tokens 64] [--steps 60]
+    python jobs/demo.py [--prompts 64] [--max-new-tokens 64] [--steps 60] [--out runs/demo]
+    python jobs/demo.py --stop          # make demo-stop: the served apps and the stack
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-CONFIG = "configs/smollm2-135m.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipelines.demo import DemoConfig, DemoError, run_demo, stop  # noqa: E402
 
 
-def run(title: str, args: list[str], ok_codes: tuple[int, ...] = (0,)) -> int:
-    print(f"\n=== {title}\n$ python {' '.join(args)}", flush=True)
-    t0 = time.time()
-    code = subprocess.run([sys.executable, *args], cwd=ROOT).returncode
-    print(f"=== {title}: exit {code} in {time.time() - t0:.0f} s", flush=True)
-    if code not in ok_codes:
-        sys.exit(f"demo stopped: '{title}' failed (exit {code})")
-    return code
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    d = DemoConfig()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/demo")
-    ap.add_argument("--prompts", type=int, default=64, help="ShareGPT prompts answered by the target")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=60, help="training steps (the full recipe: configs/smollm2-135m.yaml)")
-    args = ap.parse_args()
-    out = args.out
-    mlflow = f"sqlite:///{ROOT / out / 'mlflow.db'}"
-    os.environ["MLFLOW_TRACKING_URI"] = mlflow
-    (ROOT / out).mkdir(parents=True, exist_ok=True)
-
-    run("1/4 features", ["jobs/generate_features.py", "--config", CONFIG,
-                         "--set", f"features.output={out}/features",
-                         "--set", f"features.prompts.limit={args.prompts}",
-                         "--set", f"features.generation.max_new_tokens={args.max_new_tokens}",
-                         "--set", "features.storage.samples_per_shard=16"])
-    from specdec.assets import reference_drafter_for
-
-    promote = ["jobs/promote_drafter.py", "--tracking-uri", mlflow, "--model", "dflash-smollm2-135m",
-               "--prompts", "sharegpt", "--num-prompts", "4", "--max-new-tokens", "32"]
-    reference = reference_drafter_for(None)
-    if reference is not None:  # registered once (same weights: the same version), judged vs the target alone
-        run("2/4 registry: the packaged reference drafter as the first champion",
-            [*promote, "--register", str(reference)], ok_codes=(0, 1))
-    run("2/4 training", ["jobs/train_drafter.py", "--config", CONFIG,
-                         "--set", f"features.output={out}/features",
-                         "--set", f"train.storage_path={out}/train",
-                         "--set", "train.run_name=demo",
-                         "--set", f"train.max_steps={args.steps}",
-                         "--set", "train.eval_every=20",
-                         "--set", "train.holdout_fraction=0.1",
-                         "--set", f"registry.tracking_uri={mlflow}"])
-    drafter = f"{out}/train/demo/drafter"
-    run("3/4 promotion: the demo drafter vs @champion", [*promote, "--challenger", "latest"], ok_codes=(0, 1))
-
-    bench_drafter = str(reference or drafter)  # the one that pays, when shipped
-    run("4/4 benchmark", ["jobs/benchmark.py", "--drafter", bench_drafter, "--prompts", "sharegpt",
-                          "--num-prompts", "4", "--max-new-tokens", str(args.max_new_tokens),
-                          "--methods", "ar,dflash,dflash_lookup,oracle", "--out", f"{out}/bench.json"])
-    print(f"""
-Done. Artifacts under {out}/: features/ (manifest.json + shards), train/demo/ (checkpoints, drafter/),
-bench.json + bench.png, mlflow.db.
-
-Next (serving follows @champion; until there is one, the packaged reference drafter):
-  MLFLOW_TRACKING_URI={mlflow} serve run serve_app:app
-  curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
-       -d '{{"model": "smollm2-135m", "messages": [{{"role": "user", "content": "Hi!"}}]}}'
-The demo drafter saw {args.prompts} prompts for {args.steps} steps; the full CPU recipe is
-`python jobs/generate_features.py --config {CONFIG}` then `python jobs/train_drafter.py --config {CONFIG}`.""")
+    ap.add_argument("--out", default=str(d.out.relative_to(Path(__file__).resolve().parents[1])))
+    ap.add_argument("--stop", action="store_true", help="stop the served apps and the stack, then exit")
+    ap.add_argument("--config", default=d.config, help="recipe for features and training")
+    ap.add_argument("--target", default=None, help="target model dir (default: the recipe's, embedded SmolLM2)")
+    ap.add_argument("--prompts", type=int, default=d.prompts, help="ShareGPT prompts answered by the target")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--steps", type=int, default=d.steps, help="training steps")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra recipe override for the features and training jobs (repeatable)")
+    ap.add_argument("--reference", default=d.reference,
+                    help="first @champion: auto (the packaged reference drafter of the target), a drafter dir, none")
+    ap.add_argument("--metric", default=d.metric, choices=["speedup", "tau"], help="what promotion compares")
+    ap.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    ap.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
+    ap.add_argument("--chat-requests", type=int, default=d.chat_requests)
+    ap.add_argument("--chat-tokens", type=int, default=d.chat_tokens)
+    ap.add_argument("--port", type=int, default=None, help="HTTP port of the apps (default: 8000 when free)")
+    args = ap.parse_args(argv)
+    if args.stop:
+        return stop(args.out)
+    opts = {k: v for k, v in vars(args).items() if k != "stop"}
+    try:
+        run_demo(DemoConfig(**opts))
+    except (DemoError, ValueError) as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

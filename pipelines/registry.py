@@ -502,14 +502,16 @@ def download_version(tracking_uri: str, name: str, version: str, dst: str | Path
     renamed, so a half-written download is never used)."""
     import mlflow
 
-    dst = Path(dst) if dst is not None else drafter_cache() / name / str(version)
+    # the version's own artifact URI through OUR client: downloading "models:/..." would
+    # resolve the name against the process-wide registry URI, ignoring ours
+    source = call(tracking_uri, f"resolving {name} v{version}",
+                  lambda: client(tracking_uri).get_model_version_download_uri(name, str(version)))
+    # keyed by the artifact too: "v1" of the same name in another registry is another drafter
+    key = f"{version}-{sha256_bytes(source.encode())[:12]}"
+    dst = Path(dst) if dst is not None else drafter_cache() / name / key
     if not (dst.exists() and any(dst.iterdir())):
         tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        # the version's own artifact URI through OUR client: downloading "models:/..." would
-        # resolve the name against the process-wide registry URI, ignoring ours
-        source = call(tracking_uri, f"resolving {name} v{version}",
-                      lambda: client(tracking_uri).get_model_version_download_uri(name, str(version)))
         call(tracking_uri, f"downloading {name} v{version} from {source}",
              lambda: mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp),
                                                          tracking_uri=tracking_uri))

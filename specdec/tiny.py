@@ -111,3 +111,37 @@ def save_cyclic_target(out_dir: str | Path, period: int = 16, first_token: int =
     model.save_pretrained(tmp, safe_serialization=True)
     tmp.rename(out)
     return out
+
+
+def copy_anchor_drafter(target: Target, block_size: int = 4, target_layer_ids=(1, 2), period: int = 16,
+                        mask_token_id: int = 16, sharp: float = 3.0):
+    """One layer whose MASK positions attend (almost only) to the anchor and copy its
+    embedding: the target's head maps a cycle token's axis to its successor, so the first
+    draft token is always the target's next token (tau ~2 with any block size) -- for
+    :func:`save_cyclic_target`'s targets: promotion and serving tests get a drafter that wins."""
+    from specdec.drafter import DFlashDrafter, drafter_config_for_target
+
+    cfg = drafter_config_for_target(target, num_hidden_layers=1, block_size=block_size,
+                                    target_layer_ids=list(target_layer_ids),
+                                    mask_token_id=mask_token_id)
+    d = DFlashDrafter(cfg).to(target.dtype)
+    hd, H = cfg.head_dim, cfg.hidden_size
+    with torch.no_grad():
+        for p in d.parameters():  # fc = 0: context keys/values vanish
+            p.zero_() if p.dim() == 2 else p.fill_(1.0)
+        m = target.embed(torch.tensor([mask_token_id]))[0].to(d.dtype)
+        m = m / m.pow(2).mean().sqrt()  # the MASK token after input_layernorm
+        cyc = torch.zeros(H, dtype=d.dtype)
+        cyc[:period] = 1.0
+        mc = m * cyc
+        a = d.layers[0].self_attn
+        slow = hd // 2 - 1  # the rope pair with the lowest frequency: position-blind
+        a.k_proj.weight[slow] = cyc - (cyc @ mc) / (mc @ mc) * mc  # cycle tokens' keys; blind to MASK
+        a.k_proj.weight[0] = m * (1 - cyc)  # MASK keys point elsewhere
+        a.q_proj.weight[slow] = m / (m @ m)  # queries (from MASK) look for the cycle token
+        a.q_norm.weight.fill_(sharp)
+        a.k_norm.weight.fill_(sharp)
+        for k in range(period):
+            a.v_proj.weight[k, k] = 1.0
+            a.o_proj.weight[k, k] = 1.0
+    return d.eval().requires_grad_(False)

@@ -31,6 +31,7 @@ from pipelines import evaluate as E
 from pipelines import promote as P
 from pipelines import reference as R
 from pipelines import registry
+from specdec import tiny
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -49,35 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def copy_anchor_drafter(target, period: int = 16, mask_token_id: int = 16, sharp: float = 3.0):
-    """One layer whose MASK positions attend (almost only) to the anchor and copy its
-    embedding: the target's head maps a cycle token's axis to its successor, so the first
-    draft token is always the target's next token (tau ~2 with any block size)."""
-    from specdec.drafter import DFlashDrafter, drafter_config_for_target
-
-    cfg = drafter_config_for_target(target, num_hidden_layers=1, block_size=BLOCK, target_layer_ids=LAYERS,
-                                    mask_token_id=mask_token_id)
-    d = DFlashDrafter(cfg).to(target.dtype)
-    hd, H = cfg.head_dim, cfg.hidden_size
-    with torch.no_grad():
-        for p in d.parameters():  # fc = 0: context keys/values vanish
-            p.zero_() if p.dim() == 2 else p.fill_(1.0)
-        m = target.embed(torch.tensor([mask_token_id]))[0].to(d.dtype)
-        m = m / m.pow(2).mean().sqrt()  # the MASK token after input_layernorm
-        cyc = torch.zeros(H, dtype=d.dtype)
-        cyc[:period] = 1.0
-        mc = m * cyc
-        a = d.layers[0].self_attn
-        slow = hd // 2 - 1  # the rope pair with the lowest frequency: position-blind
-        a.k_proj.weight[slow] = cyc - (cyc @ mc) / (mc @ mc) * mc  # cycle tokens' keys; blind to MASK
-        a.k_proj.weight[0] = m * (1 - cyc)  # MASK keys point elsewhere
-        a.q_proj.weight[slow] = m / (m @ m)  # queries (from MASK) look for the cycle token
-        a.q_norm.weight.fill_(sharp)
-        a.k_norm.weight.fill_(sharp)
-        for k in range(period):
-            a.v_proj.weight[k, k] = 1.0
-            a.o_proj.weight[k, k] = 1.0
-    return d.eval().requires_grad_(False)
+def copy_anchor_drafter(target):
+    return tiny.copy_anchor_drafter(target, block_size=BLOCK, target_layer_ids=LAYERS)
 
 
 def register(uri: str, name: str, drafter, target, target_dir: Path | str, run_name: str,
@@ -637,3 +611,20 @@ def test_publish_reference_replaces_only_a_winner(target, work, prompts, monkeyp
     assert not decision.promote and "not better by the margin" in decision.reason
     assert [r["method"] for r in report["results"]] == ["ar", "dflash:reference", "dflash:candidate"]
     assert load_drafter(root / "cyclic").config.extra["reference"]["tau"] == ref["tau"]
+
+
+def test_drafter_cache_keeps_same_named_versions_of_two_registries_apart(work, target, target_dir):
+    """v1 of one model name in two registries (two demo stacks, a staging and a prod MLflow)
+    are two drafters: the node's download cache must not hand out the first for the second."""
+    from safetensors.torch import load_file
+
+    dirs = []
+    for i, seed in enumerate((1, 2)):
+        db = f"sqlite:///{work}/cache-{i}/mlflow.db"
+        d = tiny.random_drafter(target, block_size=BLOCK, layers=1, seed=seed, mask_token_id=16,
+                                target_layer_ids=LAYERS)
+        v = register(db, MODEL, d, target, target_dir, f"cache-{i}")
+        dirs.append(registry.resolve_drafter(db, f"models:/{MODEL}/{v}")[0])
+    assert dirs[0] != dirs[1]
+    a, b = (load_file(str(p / "model.safetensors")) for p in dirs)
+    assert any(not torch.equal(a[k], b[k]) for k in a)

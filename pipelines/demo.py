@@ -1,0 +1,717 @@
+"""`make demo`: the whole life of a drafter on one machine, ending in a served, measured speedup.
+
+Stages (each one the command a user types; its full output goes to ``<out>/logs/<stage>.log``):
+
+  stack     python -m cluster.stack up            Ray head + dashboard, MLflow server
+  features  ray job submit -- python jobs/generate_features.py     (Ray Data, Parquet shards)
+  reference python jobs/promote_drafter.py --register <packaged reference drafter>   (first @champion)
+  training  ray job submit -- python jobs/train_drafter.py         (Ray Train, MLflow registration)
+  promotion python jobs/promote_drafter.py --challenger <new version>   (vs @champion, side by side)
+  serving   serve run <out>/serve.yaml            app "dflash" follows @champion, app "ar" is the target alone
+  chat      the official openai client, the same greedy chat requests to both apps, interleaved
+
+then a summary (``<out>/summary.json`` + ``summary.png``): tau, tokens/s and speedup vs AR over
+HTTP, where the time goes per token (prefill / draft / verify / overhead, from /metrics).
+
+Re-running reuses every stage whose result is recorded in ``<out>/demo.json`` and still
+exists; the served apps keep running, and ``stop`` (``make demo-stop``) ends them and the stack.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE = "demo.json"
+HEARTBEAT_S = 10.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass
+class DemoConfig:
+    """What `make demo` runs; every path is under ``out``."""
+
+    out: Path = Path("runs/demo")
+    config: str = "configs/smollm2-135m.yaml"
+    target: str | None = None  # None: the recipe's target (the embedded SmolLM2)
+    prompts: int = 64  # ShareGPT prompts the target answers for the features
+    max_new_tokens: int = 64
+    steps: int = 60  # training steps (the full recipe: configs/smollm2-135m.yaml)
+    sets: list[str] = field(default_factory=list)  # extra recipe overrides for features and training
+    reference: str = "auto"  # first champion: auto (the packaged one for the target), a drafter dir, none
+    metric: str = "speedup"  # what promotion compares
+    eval_prompts: int = 4
+    eval_tokens: int = 32
+    chat_requests: int = 6
+    chat_tokens: int = 64
+    port: int | None = None  # HTTP port of the served apps (default: 8000 when free)
+    stack_cpus: int = 4  # logical CPUs of the head: jobs and the served replicas fit side by side
+    serve_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        if not self.out.is_absolute():
+            self.out = ROOT / self.out
+        for name in ("prompts", "max_new_tokens", "steps", "eval_prompts", "eval_tokens", "chat_requests",
+                     "chat_tokens", "stack_cpus"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+        for item in self.sets:
+            if "=" not in item:
+                raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
+
+
+class DemoError(RuntimeError):
+    """A stage failed; the message names it and its log."""
+
+
+# ----------------------------------------------------------------------------- console
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def _elapsed(s: float) -> str:
+    return f"{int(s) // 60}m{int(s) % 60:02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+def features_progress(line: str) -> str | None:
+    """A committed shard's progress line -> 'shards 2/4 · 0.51 prompts/s · eta 40 s'."""
+    m = re.search(r"(\d+)/(\d+) shards, eta (\d+) s \| (\d+) rows ([\d.]+) rows/s \| \S+ tok/s "
+                  r"\(generated (\S+) tok/s\)", line)
+    if m:
+        done, total, eta, _, rate, gen = m.groups()
+        return f"shards {done}/{total} · {float(rate):.2f} prompts/s · {gen} generated tok/s · eta {eta} s"
+    m = re.search(r"(\d+) shards planned, (\d+) already committed", line)
+    if m:
+        return f"shards {m.group(2)}/{m.group(1)} · the target is answering the first shard's prompts"
+    if "is already committed" in line:
+        return "already committed: nothing to do"
+    return None
+
+
+class TrainProgress:
+    """Training progress lines -> 'step 20/60 · 0.4 steps/s · loss 5.1 · tau 1.05'."""
+
+    def __init__(self, total: int):
+        self.total, self.first = total, None
+
+    def __call__(self, line: str) -> str | None:
+        m = re.search(r"\[train\] step (\d+) \|.*?loss ([\d.]+) \| tau ([\d.]+)", line)
+        if m is None:
+            if m2 := re.search(r"\[eval\] step (\d+) \|.*?holdout tau ([\d.]+)", line):
+                return f"step {m2.group(1)}/{self.total} · held-out tau {float(m2.group(2)):.3f}"
+            for needle, status in (("prepared run", "starting the Ray Train worker group"),
+                                   ("Started training worker group", "worker group up: reading shards, first steps"),
+                                   ("Ray Train finished", "exporting the drafter, registering it in MLflow")):
+                if needle in line:
+                    return status
+            return None
+        step, loss, tau = int(m.group(1)), float(m.group(2)), float(m.group(3))
+        now = time.monotonic()
+        self.first = self.first or (step, now)
+        rate = (step - self.first[0]) / (now - self.first[1]) if now > self.first[1] else 0.0
+        eta = f" · eta {(self.total - step) / rate:.0f} s" if rate > 0 else ""
+        return f"step {step}/{self.total} · {rate:.2f} steps/s · loss {loss:.3f} · tau {tau:.3f}{eta}"
+
+
+def evaluation_progress(line: str) -> str | None:
+    """A tqdm bar ('benchmark:  50%|###  | 2/4 [00:10<00:10, 5.1s/batch]') -> 'benchmark 2/4 · 5.1s/batch · eta 00:10'."""
+    m = re.search(r"(\w+):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)\s*\[[^<\]]*<([^,\]]*),\s*([^\]]+)\]", line)
+    return f"{m.group(1)} {m.group(2)}/{m.group(3)} · {m.group(5).strip()} · eta {m.group(4)}" if m else None
+
+
+def run_logged(title: str, cmd: list[str], log: Path, env: dict, progress=None) -> tuple[int, list[str]]:
+    """Run ``cmd`` with its output in ``log``; print a line at least every 10 s (the last
+    progress ``progress(line)`` made of the output, else 'running'). Returns (exit code, lines)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    q: queue.Queue = queue.Queue()
+    with open(log, "a") as f:
+        f.write(f"\n$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1, start_new_session=True)
+
+        def pump():
+            for line in proc.stdout:
+                q.put(line)
+            q.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        t0 = last = time.monotonic()
+        status = None
+        try:
+            while True:
+                try:
+                    line = q.get(timeout=1.0)
+                except queue.Empty:
+                    line = ""
+                if line is None:
+                    break
+                if line:
+                    f.write(line)
+                    clean = _ANSI.sub("", line).rstrip("\n")
+                    lines.append(clean)
+                    status = (progress(clean) if progress else None) or status
+                now = time.monotonic()
+                if now - last >= HEARTBEAT_S:
+                    say(f"  {title}: {status or 'running'} · {_elapsed(now - t0)}")
+                    last = now
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+            raise
+        return proc.wait(), lines
+
+
+# ----------------------------------------------------------------------------- state
+class Demo:
+    def __init__(self, cfg: DemoConfig):
+        self.cfg = cfg
+        self.out = cfg.out
+        self.logs = self.out / "logs"
+        self.state_path = self.out / STATE
+        self.state: dict = json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+        self.env: dict[str, str] = dict(os.environ)
+        self.times: dict[str, float] = {}
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1, default=str))
+        tmp.replace(self.state_path)
+
+    @property
+    def py(self) -> str:
+        return sys.executable
+
+    @property
+    def bin(self) -> Path:
+        return Path(os.path.dirname(os.path.abspath(sys.executable)))
+
+    def stage(self, key: str, title: str, shown: str) -> float:
+        say(f"\n[{key}] {title}\n  $ {shown}")
+        return time.monotonic()
+
+    def done(self, key: str, t0: float, line: str) -> None:
+        self.times[key] = round(time.monotonic() - t0, 1)
+        say(f"  {line}  ({_elapsed(self.times[key])}; log: {self._rel(self.logs / (key + '.log'))})")
+
+    def _rel(self, p: Path) -> str:
+        try:
+            return str(Path(p).relative_to(ROOT))
+        except ValueError:
+            return str(p)
+
+    def fail(self, key: str, why: str, lines: list[str]) -> DemoError:
+        tail = "\n".join("    " + x for x in lines[-15:])
+        return DemoError(f"demo stopped at '{key}': {why}\n{tail}\n  full log: {self.logs / (key + '.log')}")
+
+    # ------------------------------------------------------------------------- helpers
+    def recipe_sets(self) -> list[str]:
+        c, out = self.cfg, self.out
+        sets = [f"features.output={out / 'features'}", f"features.prompts.limit={c.prompts}",
+                f"features.generation.max_new_tokens={c.max_new_tokens}", "features.storage.samples_per_shard=16",
+                f"train.storage_path={out / 'train'}", "train.run_name=demo", f"train.max_steps={c.steps}",
+                "train.eval_every=20", "train.log_every=5", "train.holdout_fraction=0.1"]
+        if c.target:
+            sets.append(f"features.target.model={c.target}")
+        return sets + list(c.sets)
+
+    def job(self, key: str, script: str) -> list[str]:
+        """``ray job submit`` of one of our jobs against the stack (the head runs it in the repo)."""
+        argv = ["python", script, "--config", self.cfg.config]
+        for s in self.recipe_sets():
+            argv += ["--set", s]
+        sid = f"demo-{key}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return [str(self.bin / "ray"), "job", "submit", "--submission-id", sid, "--log-style", "record", "--",
+                *argv]
+
+    def submit(self, key: str, script: str, progress) -> tuple[list[str], float]:
+        cmd = self.job(key, script)
+        shown = f"ray job submit -- python {script} --config {self.cfg.config} --set ... (see the log)"
+        t0 = self.stage(key, {"features": "target generations + hidden states -> Parquet shards (Ray Data)",
+                              "training": "fit a DFlash drafter (Ray Train), register it in MLflow"}[key], shown)
+        rc, lines = run_logged(key, cmd, self.logs / f"{key}.log", self.env, progress)
+        if rc != 0 or not any("succeeded" in x for x in lines[-20:]):
+            raise self.fail(key, f"the Ray job did not succeed (exit {rc})", lines)
+        return lines, t0
+
+    def promote_cmd(self, *extra: str) -> list[str]:
+        c = self.cfg
+        cmd = [self.py, "jobs/promote_drafter.py", "--tracking-uri", self.tracking_uri, "--model", self.model,
+               "--prompts", "sharegpt", "--num-prompts", str(c.eval_prompts), "--max-new-tokens", str(c.eval_tokens),
+               "--metric", c.metric, *extra]
+        return cmd + (["--target", c.target] if c.target else [])
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.env["MLFLOW_TRACKING_URI"]
+
+    @property
+    def model(self) -> str:
+        from pipelines.promote import model_name
+
+        return model_name(None, self.cfg.target)
+
+    # ------------------------------------------------------------------------- stages
+    def stack(self) -> None:
+        t0 = self.stage("stack", "local stack: Ray head + dashboard, MLflow server",
+                        f"python -m cluster.stack --state-dir {self._rel(self.out / 'stack')} up --num-cpus "
+                        f"{self.cfg.stack_cpus}")
+        cmd = [self.py, "-m", "cluster.stack", "--state-dir", str(self.out / "stack"), "up",
+               "--num-cpus", str(self.cfg.stack_cpus)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER"))}
+        rc, lines = run_logged("stack", cmd, self.logs / "stack.log", env)
+        if rc != 0:
+            raise self.fail("stack", f"`cluster.stack up` exited {rc}", lines)
+        sys.path.insert(0, str(ROOT))
+        from cluster.stack import load_state, stack_env
+
+        st = load_state(self.out / "stack")
+        self.env.update(stack_env(st))
+        self.env["PATH"] = str(self.bin) + os.pathsep + self.env.get("PATH", "")
+        self.state["stack"] = {"dashboard": self.env.get("RAY_API_SERVER_ADDRESS"),
+                               "mlflow": self.env["MLFLOW_TRACKING_URI"], "ray": self.env.get("RAY_ADDRESS")}
+        again = any("already running" in x for x in lines)
+        self.done("stack", t0, f"{'already running' if again else 'up'}: Ray dashboard "
+                  f"{self.state['stack']['dashboard']}, MLflow {self.tracking_uri}")
+
+    def features(self) -> None:
+        man = self.out / "features" / "manifest.json"
+        if man.is_file() and self.state.get("features"):
+            say(f"\n[features] reused: {self._rel(man.parent)} ({self.state['features']['samples']} samples)")
+            return
+        _, t0 = self.submit("features", "jobs/generate_features.py", features_progress)
+        m = json.loads(man.read_text())
+        self.state["features"] = {"uri": str(man.parent), "samples": m["num_samples"], "tokens": m["num_tokens"],
+                                  "shards": len(m.get("shards", []))}
+        self.save()
+        self.done("features", t0,
+                  f"committed {m['num_samples']} samples, {m['num_tokens']} tokens: {self._rel(man)}")
+
+    def reference(self) -> None:
+        from specdec.assets import reference_drafter_for
+
+        ref = {"auto": lambda: reference_drafter_for(self.cfg.target), "none": lambda: None}.get(
+            self.cfg.reference, lambda: Path(self.cfg.reference).absolute())()
+        if ref is None:
+            return
+        r = self.state.get("reference")
+        if r and r.get("path") == str(ref) and self._registered(r.get("version")):
+            say(f"\n[reference] reused: {self.model} v{r['version']} ({r['decision']})")
+            return
+        t0 = self.stage("reference", "the reference drafter, registered and judged vs the target alone (the first @champion)",
+                        f"python jobs/promote_drafter.py --register {self._rel(ref)}")
+        out = self.out / "promotion" / "reference"
+        rc, lines = run_logged("reference", self.promote_cmd("--register", str(ref), "--out", str(out)),
+                               self.logs / "reference.log", self.env, evaluation_progress)
+        self.state["reference"] = self._decision("reference", rc, lines, out, t0) | {"path": str(ref)}
+        self.save()
+
+    def training(self) -> None:
+        drafter = self.out / "train" / "demo" / "drafter"
+        if (drafter / "config.json").is_file() and self._registered(self.state.get("training", {}).get("version")):
+            t = self.state["training"]
+            say(f"\n[training] reused: {self._rel(drafter)} (models:/{t['model']}/{t['version']})")
+            return
+        lines, t0 = self.submit("training", "jobs/train_drafter.py", TrainProgress(self.cfg.steps))
+        text = "\n".join(lines)
+        reg = re.search(r"registered: models:/([^/\s]+)/(\d+)", text)
+        tau = re.search(r"best held-out tau ([\d.]+) at step (\d+)", text)
+        if reg is None:
+            raise self.fail("training", "the job registered no version", lines)
+        self.state["training"] = {"drafter": str(drafter), "model": reg.group(1), "version": reg.group(2),
+                                  "holdout_tau": float(tau.group(1)) if tau else None,
+                                  "best_step": int(tau.group(2)) if tau else None,
+                                  "lineage": self._lineage(reg.group(1), reg.group(2))}
+        self.save()
+        self.done("training", t0,
+                  f"held-out tau {self.state['training']['holdout_tau']} -> registered models:/{reg.group(1)}/"
+                  f"{reg.group(2)}")
+
+    def _registered(self, version: str | None) -> bool:
+        """``version`` of the demo's model is in the (current) registry."""
+        from pipelines import registry
+
+        try:
+            return version is not None and version in registry.read_model(self.tracking_uri, self.model).versions
+        except registry.NotFound:
+            return False
+
+    def _lineage(self, name: str, version: str) -> dict:
+        from pipelines import registry
+
+        mv = registry.read_model(self.tracking_uri, name).versions[version]
+        return {k: v for k, v in (mv.tags or {}).items() if k in registry.LINEAGE_KEYS} | {"run_id": mv.run_id}
+
+    def promotion(self) -> None:
+        version = self.state["training"]["version"]
+        if self.state.get("promotion", {}).get("challenger") == version and self._registered(version):
+            p = self.state["promotion"]
+            say(f"\n[promotion] reused: v{version} {p['decision']} (@champion v{p['champion']})")
+            return
+        t0 = self.stage("promotion", f"v{version} vs @champion, side by side (promoted only if it wins)",
+                        f"python jobs/promote_drafter.py --challenger {version}")
+        out = self.out / "promotion" / f"v{version}"
+        rc, lines = run_logged("promotion", self.promote_cmd("--challenger", version, "--out", str(out)),
+                               self.logs / "promotion.log", self.env, evaluation_progress)
+        self.state["promotion"] = self._decision("promotion", rc, lines, out, t0) | {"challenger": version}
+        self.save()
+
+    def _decision(self, key: str, rc: int, lines: list[str], out: Path, t0: float) -> dict:
+        """Echo the side-by-side table and the decision; record them."""
+        if rc not in (0, 1) or not (out / "decision.json").is_file():
+            raise self.fail(key, f"promote_drafter.py exited {rc}", lines)
+        start = next((i for i, x in enumerate(lines) if " vs " in x and "prompts from" in x), 0)
+        for x in lines[start:]:
+            if x.startswith(("method", "ar ", "dflash", "decision", "aliases", "registered", "already registered")) \
+                    or (" vs " in x and not x.startswith("refused:")):
+                say("  " + x)
+        d = json.loads((out / "decision.json").read_text())
+        from pipelines import registry
+
+        st = registry.read_model(self.tracking_uri, self.model)
+        version = next((m.group(1) for x in lines if (m := re.search(r" v(\d+) ", x)) and "registered" in x), None)
+        res = {"decision": "PROMOTED" if d["decision"]["promote"] else "REFUSED", "reason": d["decision"]["reason"],
+               "evaluations": d["evaluations"], "champion": st.champion, "tracking_uri": self.tracking_uri,
+               "version": version}
+        self.done(key, t0, f"-> {res['decision']}; @champion is {'v' + st.champion if st.champion else 'unset'}")
+        return res
+
+    # ------------------------------------------------------------------------- serving
+    def serve_config(self) -> Path:
+        import yaml
+
+        port = self.state.get("serving", {}).get("port") or self.cfg.port or _port_or_free(8000)
+        common = {"target": self.cfg.target or "smollm2", "min_replicas": 1, "max_replicas": 1,
+                  "torch_threads": 2, "max_batch_size": 4, "registry_poll_s": 10}
+        spec = {**common, "drafter": "auto", "tracking_uri": self.tracking_uri}
+        ar = {**common, "drafter": "none"}
+        cfg = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+               "applications": [
+                   {"name": "dflash", "route_prefix": "/", "import_path": "serve_app:build_app", "args": spec},
+                   {"name": "ar", "route_prefix": "/ar", "import_path": "serve_app:build_app", "args": ar}]}
+        path = self.out / "serve.yaml"
+        path.write_text("# written by jobs/demo.py: the speculative app (drafter auto = @champion) and the\n"
+                        "# same target alone at /ar, for the side-by-side numbers\n" + yaml.safe_dump(cfg, sort_keys=False))
+        self.state.setdefault("serving", {})["port"] = port
+        return path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.state['serving']['port']}"
+
+    def _apps_up(self) -> list[str]:
+        return [name for name, p in (("dflash", ""), ("ar", "/ar")) if _get(self.url + p + "/v1/models", 2.0)[0] == 200]
+
+    def _apps_ready(self) -> bool:
+        return len(self._apps_up()) == 2
+
+    def serving(self) -> None:
+        s = self.state.get("serving", {})
+        if s.get("pid") and _alive(s["pid"]) and s.get("tracking_uri") == self.tracking_uri and self._apps_ready():
+            say(f"\n[serving] reused: {self.url} (serve run, pid {s['pid']})")
+            return
+        path = self.serve_config()
+        t0 = self.stage("serving", "serve run: app 'dflash' follows @champion, app 'ar' is the target alone",
+                        f"serve run {self._rel(path)}")
+        log = self.logs / "serving.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            proc = subprocess.Popen([str(self.bin / "serve"), "run", str(path)], cwd=ROOT, env=self.env, stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.state["serving"] |= {"pid": proc.pid, "config": str(path), "tracking_uri": self.tracking_uri}
+        self.save()
+        last = time.monotonic()
+        while len(up := self._apps_up()) < 2:
+            if proc.poll() is not None:
+                raise self.fail("serving", f"serve run exited {proc.returncode}",
+                                log.read_text(errors="replace").splitlines())
+            if time.monotonic() - t0 > self.cfg.serve_timeout_s:
+                raise self.fail("serving", f"the apps did not answer within {self.cfg.serve_timeout_s:.0f} s",
+                                log.read_text(errors="replace").splitlines())
+            if time.monotonic() - last >= HEARTBEAT_S:
+                say(f"  serving: loading target + drafter · apps up {len(up)}/2 · {_elapsed(time.monotonic() - t0)}")
+                last = time.monotonic()
+            time.sleep(1.0)
+        self.done("serving", t0, f"up: {self.url} (speculative) and {self.url}/ar (AR)")
+
+    def chat(self) -> dict:
+        """The same greedy chat requests to both apps with the openai client, interleaved
+        (which goes first alternates), and each app's /metrics before and after."""
+        from openai import OpenAI
+
+        from specdec.prompts import load_prompts
+
+        c = self.cfg
+        t0 = self.stage("chat", f"{c.chat_requests} ShareGPT chat requests x {c.chat_tokens} tokens to each app, "
+                        "with the official openai client", f"OpenAI(base_url='{self.url}/v1').chat.completions.create(...)")
+        key = os.environ.get("DFLASH_API_KEY") or "none"
+        clients = {"dflash": OpenAI(base_url=self.url + "/v1", api_key=key, timeout=600, max_retries=0),
+                   "ar": OpenAI(base_url=self.url + "/ar/v1", api_key=key, timeout=600, max_retries=0)}
+        model = clients["dflash"].models.list().data[0].id
+        logging.getLogger("specdec.prompts").setLevel(logging.ERROR)  # the packaged file's truncation note
+        prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=c.chat_requests,
+                                                    max_prompt_chars=1500, min_prompt_chars=20)]
+        for cl in clients.values():  # warm-up: first-request costs stay out of the numbers
+            cl.chat.completions.create(model=model, messages=prompts[0], max_tokens=4, temperature=0)
+        time.sleep(2.5)  # replicas push their metrics every second
+        before = {k: app_metrics(self.url + ("" if k == "dflash" else "/ar")) for k in clients}
+        rows, last = [], time.monotonic()
+        for i, messages in enumerate(prompts):
+            row = {"messages": messages}
+            for app in (("dflash", "ar") if i % 2 == 0 else ("ar", "dflash")):
+                t = time.perf_counter()
+                r = clients[app].chat.completions.create(model=model, messages=messages, max_tokens=c.chat_tokens,
+                                                         temperature=0)
+                row[app] = {"seconds": time.perf_counter() - t, "tokens": r.usage.completion_tokens,
+                            "text": r.choices[0].message.content}
+            row["identical"] = row["dflash"]["text"] == row["ar"]["text"]
+            rows.append(row)
+            if time.monotonic() - last >= HEARTBEAT_S or i + 1 == len(prompts):
+                sp = sum(x["dflash"]["tokens"] for x in rows) / sum(x["dflash"]["seconds"] for x in rows)
+                ar = sum(x["ar"]["tokens"] for x in rows) / sum(x["ar"]["seconds"] for x in rows)
+                say(f"  chat: {i + 1}/{len(prompts)} requests · speculative {sp:.1f} tok/s, AR {ar:.1f} tok/s")
+                last = time.monotonic()
+        time.sleep(2.5)
+        after = {k: app_metrics(self.url + ("" if k == "dflash" else "/ar")) for k in clients}
+        self.times["chat"] = round(time.monotonic() - t0, 1)
+        return {"model": model, "rows": rows, "metrics": {k: _delta(before[k], after[k]) for k in clients}}
+
+    # ------------------------------------------------------------------------- summary
+    def summary(self, chat: dict) -> dict:
+        rows = chat["rows"]
+        apps = {}
+        for app in ("dflash", "ar"):
+            secs = sum(r[app]["seconds"] for r in rows)
+            toks = sum(r[app]["tokens"] for r in rows)
+            m = chat["metrics"][app]
+            parts = {k: m[k] for k in ("prefill_s", "draft_s", "verify_s")}
+            parts["overhead_s"] = max(0.0, secs - sum(parts.values()))
+            apps[app] = {"tokens": toks, "seconds": round(secs, 3), "tokens_per_s": toks / secs if secs else 0.0,
+                         "tau": m["tau"], "cycles": m["cycles"], "drafter": m["drafter"],
+                         "ms_per_token": {k.removesuffix("_s"): 1000 * v / max(toks, 1) for k, v in parts.items()},
+                         "draft_tokens": m["draft_tokens"], "accepted_draft_tokens": m["accepted_draft_tokens"]}
+        spec, ar = apps["dflash"], apps["ar"]
+        out = {
+            "target": self.cfg.target or "smollm2 (embedded SmolLM2-135M-Instruct)",
+            "model": self.model,
+            "stack": self.state.get("stack"),
+            "features": self.state.get("features"),
+            "reference": _brief(self.state.get("reference")),
+            "training": self.state.get("training"),
+            "promotion": _brief(self.state.get("promotion")),
+            "serving": {"url": self.url, "ar_url": self.url + "/ar", "config": self.state["serving"].get("config"),
+                        "served_model": chat["model"], "drafter": spec["drafter"]},
+            "chat": {"requests": len(rows), "max_tokens": self.cfg.chat_tokens,
+                     "identical_to_ar": all(r["identical"] for r in rows),
+                     "outputs": [{"messages": r["messages"], "text": r["dflash"]["text"], "ar_text": r["ar"]["text"],
+                                  "identical": r["identical"]} for r in rows]},
+            "results": {"speculative": spec, "ar": ar,
+                        "speedup": spec["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None},
+            "stage_seconds": self.times,
+            "logs": str(self.logs),
+        }
+        (self.out / "summary.json").write_text(json.dumps(out, indent=1, default=str))
+        plot_summary(out, self.out / "summary.png")
+        return out
+
+    def print_summary(self, s: dict) -> None:
+        r, sp, ar = s["results"], s["results"]["speculative"], s["results"]["ar"]
+        say(f"\n=== summary ({self._rel(self.out / 'summary.json')}, {self._rel(self.out / 'summary.png')})")
+        if s["features"]:
+            say(f"features   {s['features']['samples']} samples, {s['features']['tokens']} tokens "
+                f"({self._rel(Path(s['features']['uri']))})")
+        t = s["training"]
+        say(f"training   models:/{t['model']}/{t['version']}: held-out tau {t['holdout_tau']} "
+            f"(run {t['lineage'].get('run_name', '?')}, features {self._rel(Path(t['lineage'].get('features_uri', '?')))})")
+        for k in ("reference", "promotion"):
+            if s[k]:
+                champ = f"v{s[k]['champion']}" if s[k]["champion"] else "unset"
+                say(f"{k:<10} v{s[k].get('version') or s[k].get('challenger')}: {s[k]['decision']} -> @champion {champ}")
+        d = sp["drafter"] or {}
+        drafter = (d.get("source") or "none (speculation off)") + (f" v{d['version']}" if d.get("version") else "")
+        say(f"serving    {s['serving']['url']} drafter {drafter}; AR at {s['serving']['ar_url']}")
+        say(f"chat       {s['chat']['requests']} requests x {s['chat']['max_tokens']} tokens, greedy: outputs "
+            f"{'identical to the target alone' if s['chat']['identical_to_ar'] else 'DIFFER from the target alone'}")
+        say(f"speed      speculative {sp['tokens_per_s']:.1f} tok/s vs AR {ar['tokens_per_s']:.1f} tok/s -> "
+            f"{r['speedup']:.2f}x" + (f", tau {sp['tau']:.2f}" if sp["tau"] else ""))
+        for name, a in (("speculative", sp), ("AR", ar)):
+            ms = a["ms_per_token"]
+            say(f"  ms/token {name:<12} prefill {ms['prefill']:.1f} · draft {ms['draft']:.1f} · verify "
+                f"{ms['verify']:.1f} · overhead {ms['overhead']:.1f}")
+        say(f"\nThe apps keep running: {s['serving']['url']}/v1/chat/completions (AR: {s['serving']['ar_url']}); "
+            f"metrics at {s['serving']['url']}/metrics")
+        say(f"  curl -s {s['serving']['url']}/v1/chat/completions -H 'content-type: application/json' \\\n"
+            f"       -d '{{\"model\": \"{s['serving']['served_model']}\", \"messages\": [{{\"role\": \"user\", "
+            f"\"content\": \"Hi!\"}}]}}'")
+        say(f"Ray dashboard {s['stack']['dashboard']} · MLflow {s['stack']['mlflow']} · logs {self._rel(self.logs)}/\n"
+            "Stop everything: make demo-stop")
+
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        say(f"dflash-ray demo: everything under {self._rel(self.out)}/, full logs in {self._rel(self.logs)}/")
+        self.stack()
+        self.features()
+        self.reference()
+        self.training()
+        self.promotion()
+        self.serving()
+        s = self.summary(self.chat())
+        self.save()
+        self.print_summary(s)
+        return s
+
+
+def _brief(d: dict | None) -> dict | None:
+    return None if d is None else {k: v for k, v in d.items() if k != "tracking_uri"}
+
+
+# ----------------------------------------------------------------------------- metrics
+def app_metrics(url: str) -> dict:
+    """Totals over an app's replicas from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, text = _get(url + "/metrics", timeout=30)
+    if code != 200:
+        raise DemoError(f"{url}/metrics answered {code}")
+    m = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "tokens": 0.0, "cycles": 0.0, "acc_sum": 0.0,
+         "acc_count": 0.0, "draft_tokens": {}, "accepted_draft_tokens": {}, "drafter": None}
+    names = {"dflash_prefill_seconds_total": "prefill_s", "dflash_draft_seconds_sum": "draft_s",
+             "dflash_verify_seconds_sum": "verify_s", "dflash_generated_tokens_total": "tokens",
+             "dflash_engine_cycles_total": "cycles", "dflash_accepted_length_sum": "acc_sum",
+             "dflash_accepted_length_count": "acc_count"}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names:
+                m[names[s.name]] += s.value
+            elif s.name in ("dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total"):
+                k = s.name.removeprefix("dflash_").removesuffix("_total")
+                m[k][s.labels["source"]] = m[k].get(s.labels["source"], 0.0) + s.value
+            elif s.name == "dflash_drafter_info":
+                m["drafter"] = {"source": s.labels.get("source"), "version": s.labels.get("version")}
+    return m
+
+
+def _delta(a: dict, b: dict) -> dict:
+    d = {k: b[k] - a[k] for k in ("prefill_s", "draft_s", "verify_s", "tokens", "cycles", "acc_sum", "acc_count")}
+    for k in ("draft_tokens", "accepted_draft_tokens"):
+        d[k] = {s: b[k][s] - a[k].get(s, 0.0) for s in b[k]}
+    d["tau"] = d["acc_sum"] / d["acc_count"] if d["acc_count"] else None
+    d["drafter"] = b["drafter"]
+    return d
+
+
+def plot_summary(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = s["results"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["AR (target alone)", "speculative"]
+    rates = [r["ar"]["tokens_per_s"], r["speculative"]["tokens_per_s"]]
+    a1.bar(names, rates, color=["#999999", "#2a7ab9"])
+    for i, v in enumerate(rates):
+        a1.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    a1.set_ylabel("output tokens/s over HTTP")
+    tau = r["speculative"]["tau"]
+    a1.set_title(f"{r['speedup']:.2f}x AR" + (f", tau {tau:.2f}" if tau else "") + f", {s['chat']['requests']} requests")
+    bottom = [0.0, 0.0]
+    for part, color in (("prefill", "#cccccc"), ("draft", "#f28e2b"), ("verify", "#4e79a7"), ("overhead", "#e15759")):
+        vals = [r["ar"]["ms_per_token"][part], r["speculative"]["ms_per_token"][part]]
+        a2.bar(names, vals, bottom=bottom, label=part, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.set_ylabel("ms per generated token")
+    a2.set_title("where the time goes")
+    a2.legend()
+    fig.suptitle(f"{s['model']}: served drafter {(s['serving']['drafter'] or {}).get('version') or ''} vs AR")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- processes
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    headers = {}
+    if os.environ.get("DFLASH_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['DFLASH_API_KEY']}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, ""
+
+
+def _port_or_free(port: int) -> int:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop(out: Path | str = "runs/demo", grace_s: float = 20.0) -> int:
+    """``make demo-stop``: end ``serve run`` and the stack; check no process is left."""
+    import psutil
+
+    out = Path(out) if Path(out).is_absolute() else ROOT / out
+    state = json.loads((out / STATE).read_text()) if (out / STATE).is_file() else {}
+    pid = state.get("serving", {}).get("pid")
+    left = []
+    if pid and _alive(pid):
+        say(f"stopping serve run (pid {pid})")
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+            os.killpg(pid, signal.SIGINT)  # what Ctrl-C does: serve run shuts the apps down
+            _, left = psutil.wait_procs(procs, timeout=grace_s)
+            for p in left:
+                p.kill()
+            _, left = psutil.wait_procs(left, timeout=5)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    state.get("serving", {}).pop("pid", None)
+    if (out / STATE).is_file():
+        (out / STATE).write_text(json.dumps(state, indent=1, default=str))
+    rc = subprocess.run([sys.executable, "-m", "cluster.stack", "--state-dir", str(out / "stack"), "down"],
+                        cwd=ROOT).returncode
+    if left:
+        say(f"still running: {[p.pid for p in left]}")
+        return 1
+    return rc
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Run (or resume) every stage; returns the summary."""
+    return Demo(cfg).run()

@@ -1,0 +1,171 @@
+"""`make demo` at CI size, end to end for real: a local stack (Ray head + MLflow server),
+`ray job submit` of the features and training jobs, a reference drafter registered as the
+first @champion, promotion of the trained version against it, `serve run` of the
+speculative app beside the target alone, chat requests through the openai client, the
+summary; then a second run that reuses every stage, and `--stop` leaving no process.
+
+The target is a tiny cyclic one (specdec.tiny.save_cyclic_target, 16 layers) and the reference its
+hand-built copy-the-anchor drafter, which beats the target alone: promotion moves an alias
+and the served app speculates with it. The console parsers are checked on their own below.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import demo as D
+
+REPO = Path(__file__).resolve().parents[1]
+SETS = ["features.layer_ids=[1,2]", "features.generation.backend=hf", "features.extract.from_generation=true",
+        "features.generation.batch_size=8", "drafter.num_layers=1", "drafter.block_size=4", "train.batch_size=4",
+        "train.num_anchors=8", "train.eval_samples=4", "train.lr=3e-3"]
+SUMMARY_KEYS = {"target", "model", "stack", "features", "reference", "training", "promotion", "serving", "chat",
+                "results", "stage_seconds", "logs"}
+
+
+# ------------------------------------------------------------------------------ units
+def test_progress_parsers_read_the_jobs_lines():
+    line = ("2026-12-02 07:38:37,126 pipelines.features.pipeline: shard 00000 committed | 2/4 shards, eta 40 s | "
+            "32 rows 0.51 rows/s | 165 tok/s (generated 32 tok/s) | 532.4 KB written 43.8 KB/s")
+    assert D.features_progress(line) == "shards 2/4 · 0.51 prompts/s · 32 generated tok/s · eta 40 s"
+    assert D.features_progress("x: 4 shards planned, 1 already committed, 3 to run").startswith("shards 1/4")
+    assert D.features_progress("unrelated") is None
+    tp = D.TrainProgress(60)
+    got = tp("(RayTrainWorker pid=1) [train] step 10 | epoch 2.86 | loss 4.1763 | tau 1.075 | acc@1 0.075 | lr 2e-3")
+    assert got.startswith("step 10/60 ·") and "loss 4.176 · tau 1.075" in got
+    assert tp("[eval] step 12 | epoch 3.43 | holdout tau 1.125 | loss 2.89") == "step 12/60 · held-out tau 1.125"
+    assert D.evaluation_progress("benchmark:  50%|#####     | 2/4 [00:10<00:10, 5.10s/batch]") == \
+        "benchmark 2/4 · 5.10s/batch · eta 00:10"
+
+
+def test_run_logged_prints_a_line_at_least_every_heartbeat(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(D, "HEARTBEAT_S", 0.3)
+    code = ("import time\nfor i in range(1, 4):\n    print(f'x: shard committed | {i}/3 shards, eta 1 s | 5 rows "
+            "0.50 rows/s | 9 tok/s (generated 3 tok/s) |', flush=True)\n    time.sleep(0.5)\nraise SystemExit(3)")
+    rc, lines = D.run_logged("features", [sys.executable, "-c", code], tmp_path / "f.log", dict(__import__("os").environ),
+                             D.features_progress)
+    out = capsys.readouterr().out
+    assert rc == 3 and len(lines) == 3
+    assert "features: shards 2/3" in out or "features: shards 3/3" in out, out
+    assert (tmp_path / "f.log").read_text().count("\nx: shard committed") == 3  # the full output goes to the log
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"^steps: expected an integer >= 1, got 0"):
+        D.DemoConfig(steps=0)
+    with pytest.raises(ValueError, match=r"^--set: expected KEY=VALUE, got 'train.lr'"):
+        D.DemoConfig(sets=["train.lr"])
+
+
+# ------------------------------------------------------------------------------ end to end
+def _demo(out: Path, target: Path, reference: Path, *extra: str, timeout: float = 900):
+    argv = [sys.executable, "jobs/demo.py", "--out", str(out), "--target", str(target), "--reference", str(reference),
+            "--prompts", "16", "--max-new-tokens", "24", "--steps", "40", "--metric", "tau", "--eval-prompts", "2",
+            "--eval-tokens", "16", "--chat-requests", "2", "--chat-tokens", "16", *extra]
+    for s in SETS:
+        argv += ["--set", s]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from specdec.checkpoint import save_drafter
+    from specdec.target import load_target
+    from specdec.tiny import copy_anchor_drafter, save_cyclic_target
+
+    root = tmp_path_factory.mktemp("demo")
+    # 16 layers: the target's pass outweighs the engine's fixed costs, so copying the anchor
+    # (tau ~1.9) is measurably faster than the target alone (1.36x here) and wins promotion
+    target_dir = save_cyclic_target(root / "cyclic", num_layers=16)
+    target = load_target(str(target_dir), dtype="float32")
+    ref = copy_anchor_drafter(target)
+    ref.config.extra = {"target_identity": target.identity, "target_model": str(target_dir), "run_name": "copy-anchor"}
+    reference = save_drafter(ref, root / "reference")
+    out = root / "out"
+    try:
+        first = _demo(out, target_dir, reference)
+        yield {"out": out, "first": first, "target_dir": target_dir, "target": target, "reference": reference}
+    finally:
+        subprocess.run([sys.executable, "jobs/demo.py", "--out", str(out), "--stop"], cwd=REPO, timeout=180,
+                       capture_output=True)
+
+
+@pytest.mark.slow
+class TestDemo:
+    """In order: the last test stops everything."""
+
+    def test_every_stage_ran_and_the_summary_has_every_field(self, demo):
+        r = demo["first"]
+        assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+        for stage in ("[stack]", "[features]", "[reference]", "[training]", "[promotion]", "[serving]", "[chat]",
+                      "=== summary"):
+            assert stage in r.stdout, stage
+        assert "TrainingReport" not in r.stdout and "\x1b[" not in r.stdout  # Ray's own lines stay in the logs
+        s = json.loads((demo["out"] / "summary.json").read_text())
+        assert SUMMARY_KEYS <= set(s), SUMMARY_KEYS - set(s)
+        for app in ("speculative", "ar"):
+            res = s["results"][app]
+            assert res["tokens"] == 2 * 16 and res["tokens_per_s"] > 0
+            assert set(res["ms_per_token"]) == {"prefill", "draft", "verify", "overhead"}
+        assert s["results"]["speedup"] > 0 and s["results"]["speculative"]["tau"] > 1.3  # it speculated
+        assert s["results"]["ar"]["cycles"] > 0 and not s["results"]["ar"]["draft_tokens"]
+        assert (demo["out"] / "summary.png").stat().st_size > 10_000
+        assert s["stack"]["mlflow"].startswith("http://127.0.0.1:")
+
+    def test_features_manifest_committed(self, demo):
+        man = json.loads((demo["out"] / "features" / "manifest.json").read_text())
+        assert man["num_samples"] == 16 and man["num_tokens"] > 16 * 24
+
+    def test_registered_with_lineage_and_the_winner_promoted(self, demo):
+        from pipelines import registry
+
+        s = json.loads((demo["out"] / "summary.json").read_text())
+        uri, t = s["stack"]["mlflow"], s["training"]
+        state = registry.read_model(uri, "dflash-cyclic")
+        tags = state.versions[t["version"]].tags
+        assert tags["features_uri"] == str(demo["out"] / "features") and tags["run_name"] == "demo"
+        assert tags["target_identity"] == demo["target"].identity
+        assert t["lineage"]["features_uri"] == tags["features_uri"]
+        # the reference (copy the anchor, tau ~2) beat the target alone; the 40-step drafter lost to it
+        assert s["reference"]["decision"] == "PROMOTED" and s["promotion"]["decision"] == "REFUSED"
+        assert state.champion == s["reference"]["version"] != t["version"]
+        assert s["serving"]["drafter"]["version"] == state.champion  # serving follows @champion
+
+    def test_http_answers_equal_target_only_greedy(self, demo):
+        from specdec.engine import Engine, Request
+
+        s = json.loads((demo["out"] / "summary.json").read_text())
+        target = demo["target"]
+        assert s["chat"]["identical_to_ar"]
+        for o in s["chat"]["outputs"]:
+            ids = target.encode_chat(o["messages"])
+            want = Engine(target, None, seed=0).generate([Request(ids, max_new_tokens=16)])[0].tokens
+            assert o["text"] == target.decode(want) == o["ar_text"]
+
+    def test_second_run_reuses_every_stage(self, demo):
+        r = _demo(demo["out"], demo["target_dir"], demo["reference"])
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        assert "already running" in r.stdout
+        for stage in ("features", "reference", "training", "promotion", "serving"):
+            assert f"[{stage}] reused" in r.stdout, stage
+        assert "ray job submit" not in r.stdout
+
+    def test_stop_leaves_no_process(self, demo):
+        import psutil
+
+        from cluster.stack import load_state, stack_processes
+
+        state = load_state(demo["out"] / "stack")
+        pid = json.loads((demo["out"] / "demo.json").read_text())["serving"]["pid"]
+        r = subprocess.run([sys.executable, "jobs/demo.py", "--out", str(demo["out"]), "--stop"], cwd=REPO,
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert not stack_processes(state)
+        for p in psutil.process_iter(["cmdline"]):
+            assert str(demo["out"]) not in " ".join(p.info["cmdline"] or []), p.info["cmdline"]
