@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default=d.reference,
                     help="first @champion: auto (the packaged reference drafter of the target), a drafter dir, none")
     ap.add_argument("--metric", default=d.metric, choices=["speedup", "tau"], help="what promotion compares")
+    ap.add_argument("--lookup-block", type=int, default=d.lookup_block,
+                    help="promotion and serving: prompt lookup beside the drafter, up to this many tokens (0: off)")
     ap.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     ap.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     ap.add_argument("--chat-requests", type=int, default=d.chat_requests)

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None, help="draft block size (default: each drafter's own)")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--lookup-block", type=int, default=0,
+                    help="judge each drafter with prompt lookup beside it, drafting up to this many tokens, as "
+                         "serving runs it (serving's lookup_block, 8 by default there); 0: the drafter alone")
     ap.add_argument("--metric", default=DEFAULT_METRIC, choices=METRICS,
                     help=f"what the challenger must improve (default: {DEFAULT_METRIC})")
     ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             tracking_uri=args.tracking_uri, model=name, target=args.target, target_dtype=args.target_dtype,
             challenger=challenger, prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
+            lookup_block=args.lookup_block,
             margin=args.margin, metric=args.metric, tolerance=args.tolerance, dry_run=args.dry_run, experiment=args.experiment,
             seed=args.seed, out=args.out)
         try:

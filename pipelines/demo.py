@@ -54,6 +54,7 @@ class DemoConfig:
     sets: list[str] = field(default_factory=list)  # extra recipe overrides for features and training
     reference: str = "auto"  # first champion: auto (the packaged one for the target), a drafter dir, none
     metric: str = "speedup"  # what promotion compares
+    lookup_block: int = 8  # promotion judges drafters with prompt lookup beside them, as serving runs them
     eval_prompts: int = 4
     eval_tokens: int = 32
     chat_requests: int = 6
@@ -124,8 +125,8 @@ class TrainProgress:
         now = time.monotonic()
         self.first = self.first or (step, now)
         rate = (step - self.first[0]) / (now - self.first[1]) if now > self.first[1] else 0.0
-        eta = f" · eta {(self.total - step) / rate:.0f} s" if rate > 0 else ""
-        return f"step {step}/{self.total} · {rate:.2f} steps/s · loss {loss:.3f} · tau {tau:.3f}{eta}"
+        speed = f" · {rate:.2f} steps/s · eta {(self.total - step) / rate:.0f} s" if rate > 0 else ""
+        return f"step {step}/{self.total}{speed} · loss {loss:.3f} · tau {tau:.3f}"
 
 
 def evaluation_progress(line: str) -> str | None:
@@ -255,7 +256,7 @@ class Demo:
         c = self.cfg
         cmd = [self.py, "jobs/promote_drafter.py", "--tracking-uri", self.tracking_uri, "--model", self.model,
                "--prompts", "sharegpt", "--num-prompts", str(c.eval_prompts), "--max-new-tokens", str(c.eval_tokens),
-               "--metric", c.metric, *extra]
+               "--metric", c.metric, "--lookup-block", str(c.lookup_block), *extra]
         return cmd + (["--target", c.target] if c.target else [])
 
     @property
@@ -400,7 +401,7 @@ class Demo:
         port = self.state.get("serving", {}).get("port") or self.cfg.port or _port_or_free(8000)
         common = {"target": self.cfg.target or "smollm2", "min_replicas": 1, "max_replicas": 1,
                   "torch_threads": 2, "max_batch_size": 4, "registry_poll_s": 10}
-        spec = {**common, "drafter": "auto", "tracking_uri": self.tracking_uri}
+        spec = {**common, "drafter": "auto", "tracking_uri": self.tracking_uri, "lookup_block": self.cfg.lookup_block}
         ar = {**common, "drafter": "none"}
         cfg = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
                "applications": [
@@ -546,6 +547,8 @@ class Demo:
                 say(f"{k:<10} v{s[k].get('version') or s[k].get('challenger')}: {s[k]['decision']} -> @champion {champ}")
         d = sp["drafter"] or {}
         drafter = (d.get("source") or "none (speculation off)") + (f" v{d['version']}" if d.get("version") else "")
+        if d.get("version") == "reference":  # no @champion: drafter=auto serves the packaged reference
+            drafter = "the packaged reference drafter (no @champion yet)"
         say(f"serving    {s['serving']['url']} drafter {drafter}; AR at {s['serving']['ar_url']}")
         say(f"chat       {s['chat']['requests']} requests x {s['chat']['max_tokens']} tokens, greedy: outputs "
             f"{'identical to the target alone' if s['chat']['identical_to_ar'] else 'DIFFER from the target alone'}")

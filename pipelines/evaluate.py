@@ -99,21 +99,23 @@ class Candidate:
 
 def measure(target, candidates: list[Candidate], prompts: list[list[int]], prompt_ids: list[str],
             max_new_tokens: int, prompts_source: str, batch_size: int = 1, seed: int = 0,
-            warmup_tokens: int = 8) -> dict:
+            warmup_tokens: int = 8, lookup_block: int = 0) -> dict:
     """``ar`` and every candidate on the same prompts in this process, interleaved batch by
     batch (the order rotates), greedy, exactly ``max_new_tokens`` tokens per prompt.
     Returns a report in the engine benchmark's schema (``specdec.bench``): ``config``,
     ``results`` (one per method, with each candidate's ``version``, ``role`` and
-    ``block_size``), ``exactness`` and ``cost_terms``, plus ``versions``."""
+    ``block_size``), ``exactness`` and ``cost_terms``, plus ``versions``. ``lookup_block`` > 1
+    measures each drafter with prompt lookup beside it, as serving runs it."""
     from specdec.bench import engine_method, machine_info, measure_methods, summarise
-    from specdec.engine import DFlashProposer
+    from specdec.lookup import drafter_proposer, engine_block
     from specdec.sampling import GREEDY
 
     stop = frozenset()  # ignore EOS: every method generates exactly max_new_tokens
     methods = {"ar": engine_method(target, GREEDY, None, 16, stop)}
     for c in candidates:
-        methods[c.label] = engine_method(target, GREEDY, lambda c=c: DFlashProposer(c.drafter, target),
-                                         c.block_size, stop)
+        methods[c.label] = engine_method(
+            target, GREEDY, lambda c=c: drafter_proposer(c.drafter, target, c.block_size, lookup_block),
+            engine_block(c.block_size, lookup_block), stop)
     acc = measure_methods(methods, prompts, max_new_tokens, batch_size, seed, warmup_tokens)
     summary = summarise(acc, greedy=True)
     by_label = {c.label: c for c in candidates}
@@ -181,6 +183,7 @@ class EvalSettings:
     block_size: int | None = None  # None: each drafter's own block size
     batch_size: int = 1
     seed: int = 0
+    lookup_block: int = 0  # > 1: each drafter with prompt lookup beside it (serving's lookup_block)
 
 
 def load_target_for(ref: str | None, dtype: str, from_flag: bool):
@@ -244,7 +247,8 @@ def evaluate_versions_on(tracking_uri: str, state: ModelState, challenger: str, 
         log.info("measuring ar + %s on %d prompts from %s x %d tokens", ", ".join(c.label for c in candidates),
                  len(prompts), source, settings.max_new_tokens)
         reports[source] = measure(target, candidates, prompts, prompt_ids, settings.max_new_tokens, source,
-                                  batch_size=settings.batch_size, seed=settings.seed)
+                                  batch_size=settings.batch_size, seed=settings.seed,
+                                  lookup_block=settings.lookup_block)
     return reports, target
 
 

@@ -236,6 +236,7 @@ class PromoteConfig:
     max_new_tokens: int = 64
     block_size: int | None = None  # None: each drafter's own block size
     batch_size: int = 1
+    lookup_block: int = 0  # > 1: judge drafters with prompt lookup beside them, as serving runs them
     margin: float = DEFAULT_MARGIN
     metric: str = DEFAULT_METRIC
     tolerance: float = DEFAULT_TOLERANCE  # several prompt sets: the most the challenger may lose on any
@@ -255,6 +256,8 @@ class PromoteConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise PromoteError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.lookup_block < 0 or self.lookup_block == 1:
+            raise PromoteError(f"--lookup-block: expected 0 (off) or an integer >= 2, got {self.lookup_block}")
         if self.block_size is not None:
             from specdec.drafter import check_block_size
 
@@ -282,7 +285,7 @@ class PromoteConfig:
     def settings(self) -> EvalSettings:
         first = self.prompts[0] if self.prompts else DEFAULT_PROMPTS
         return EvalSettings(self.target, self.target_dtype, first, self.num_prompts, self.max_new_tokens,
-                            self.block_size, self.batch_size, self.seed)
+                            self.block_size, self.batch_size, self.seed, self.lookup_block)
 
 
 def set_label(source: str) -> str:
