@@ -39,20 +39,13 @@ if str(ROOT) not in sys.path:
 
 def replica_counters(url: str, api_key: str | None) -> tuple[float, float] | None:
     """(replica CPU seconds, generated tokens) summed over the app's replicas, from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from serve_app.metrics import scrape_totals
 
     try:
-        text = httpx.get(url + "/metrics", timeout=30).text
+        totals = scrape_totals(httpx.get(url + "/metrics", timeout=30).text)
     except httpx.HTTPError:
         return None
-    cpu = tokens = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "dflash_process_cpu_seconds_total":
-                cpu += s.value
-            elif s.name == "dflash_generated_tokens_total":
-                tokens += s.value
-    return cpu, tokens
+    return totals.get("process_cpu_seconds_total", 0.0), totals.get("generated_tokens_total", 0.0)
 
 
 def percentile(xs: list[float], q: float) -> float | None:

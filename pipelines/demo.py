@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# this interpreter's bin (a venv's, not the symlink target): ray, serve and python that have the project
+BIN = Path(os.path.dirname(os.path.abspath(sys.executable)))
+APPS = {"dflash": "", "ar": "/ar"}  # served app -> route prefix
 STATE = "demo.json"
 HEARTBEAT_S = 10.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -196,14 +199,6 @@ class Demo:
         tmp.write_text(json.dumps(self.state, indent=1, default=str))
         tmp.replace(self.state_path)
 
-    @property
-    def py(self) -> str:
-        return sys.executable
-
-    @property
-    def bin(self) -> Path:
-        return Path(os.path.dirname(os.path.abspath(sys.executable)))
-
     def stage(self, key: str, title: str, shown: str) -> float:
         say(f"\n[{key}] {title}\n  $ {shown}")
         return time.monotonic()
@@ -239,7 +234,7 @@ class Demo:
         for s in self.recipe_sets():
             argv += ["--set", s]
         sid = f"demo-{key}-{time.strftime('%Y%m%d-%H%M%S')}"
-        return [str(self.bin / "ray"), "job", "submit", "--submission-id", sid, "--log-style", "record", "--",
+        return [str(BIN / "ray"), "job", "submit", "--submission-id", sid, "--log-style", "record", "--",
                 *argv]
 
     def submit(self, key: str, script: str, progress) -> tuple[list[str], float]:
@@ -254,7 +249,7 @@ class Demo:
 
     def promote_cmd(self, *extra: str) -> list[str]:
         c = self.cfg
-        cmd = [self.py, "jobs/promote_drafter.py", "--tracking-uri", self.tracking_uri, "--model", self.model,
+        cmd = [sys.executable, "jobs/promote_drafter.py", "--tracking-uri", self.tracking_uri, "--model", self.model,
                "--prompts", "sharegpt", "--num-prompts", str(c.eval_prompts), "--max-new-tokens", str(c.eval_tokens),
                "--metric", c.metric, "--lookup-block", str(c.lookup_block), *extra]
         return cmd + (["--target", c.target] if c.target else [])
@@ -274,7 +269,7 @@ class Demo:
         t0 = self.stage("stack", "local stack: Ray head + dashboard, MLflow server",
                         f"python -m cluster.stack --state-dir {self._rel(self.out / 'stack')} up --num-cpus "
                         f"{self.cfg.stack_cpus}")
-        cmd = [self.py, "-m", "cluster.stack", "--state-dir", str(self.out / "stack"), "up",
+        cmd = [sys.executable, "-m", "cluster.stack", "--state-dir", str(self.out / "stack"), "up",
                "--num-cpus", str(self.cfg.stack_cpus)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER"))}
         rc, lines = run_logged("stack", cmd, self.logs / "stack.log", env)
@@ -285,7 +280,7 @@ class Demo:
 
         st = load_state(self.out / "stack")
         self.env.update(stack_env(st))
-        self.env["PATH"] = str(self.bin) + os.pathsep + self.env.get("PATH", "")
+        self.env["PATH"] = str(BIN) + os.pathsep + self.env.get("PATH", "")
         self.state["stack"] = {"dashboard": self.env.get("RAY_API_SERVER_ADDRESS"),
                                "mlflow": self.env["MLFLOW_TRACKING_URI"], "ray": self.env.get("RAY_ADDRESS")}
         again = any("already running" in x for x in lines)
@@ -299,8 +294,7 @@ class Demo:
             return
         _, t0 = self.submit("features", "jobs/generate_features.py", features_progress)
         m = json.loads(man.read_text())
-        self.state["features"] = {"uri": str(man.parent), "samples": m["num_samples"], "tokens": m["num_tokens"],
-                                  "shards": len(m.get("shards", []))}
+        self.state["features"] = {"uri": str(man.parent), "samples": m["num_samples"], "tokens": m["num_tokens"]}
         self.save()
         self.done("features", t0,
                   f"committed {m['num_samples']} samples, {m['num_tokens']} tokens: {self._rel(man)}")
@@ -316,12 +310,9 @@ class Demo:
         if r and r.get("path") == str(ref) and self._registered(r.get("version")):
             say(f"\n[reference] reused: {self.model} v{r['version']} ({r['decision']})")
             return
-        t0 = self.stage("reference", "the reference drafter, registered and judged vs the target alone (the first @champion)",
-                        f"python jobs/promote_drafter.py --register {self._rel(ref)}")
-        out = self.out / "promotion" / "reference"
-        rc, lines = run_logged("reference", self.promote_cmd("--register", str(ref), "--out", str(out)),
-                               self.logs / "reference.log", self.env, evaluation_progress)
-        self.state["reference"] = self._decision("reference", rc, lines, out, t0) | {"path": str(ref)}
+        self.state["reference"] = self._promote(
+            "reference", "the reference drafter, registered and judged vs the target alone (the first @champion)",
+            ["--register", str(ref)], shown=f"--register {self._rel(ref)}") | {"path": str(ref)}
         self.save()
 
     def training(self) -> None:
@@ -362,20 +353,22 @@ class Demo:
 
     def promotion(self) -> None:
         version = self.state["training"]["version"]
-        if self.state.get("promotion", {}).get("challenger") == version and self._registered(version):
+        if self.state.get("promotion", {}).get("version") == version and self._registered(version):
             p = self.state["promotion"]
             say(f"\n[promotion] reused: v{version} {p['decision']} (@champion v{p['champion']})")
             return
-        t0 = self.stage("promotion", f"v{version} vs @champion, side by side (promoted only if it wins)",
-                        f"python jobs/promote_drafter.py --challenger {version}")
-        out = self.out / "promotion" / f"v{version}"
-        rc, lines = run_logged("promotion", self.promote_cmd("--challenger", version, "--out", str(out)),
-                               self.logs / "promotion.log", self.env, evaluation_progress)
-        self.state["promotion"] = self._decision("promotion", rc, lines, out, t0) | {"challenger": version}
+        self.state["promotion"] = self._promote(
+            "promotion", f"v{version} vs @champion, side by side (promoted only if it wins)",
+            ["--challenger", version], shown=f"--challenger {version}")
         self.save()
 
-    def _decision(self, key: str, rc: int, lines: list[str], out: Path, t0: float) -> dict:
-        """Echo the side-by-side table and the decision; record them."""
+    def _promote(self, key: str, title: str, args: list[str], shown: str) -> dict:
+        """Run ``promote_drafter.py``, echo its side-by-side table and decision, record them."""
+        t0 = self.stage(key, title, f"python jobs/promote_drafter.py {shown}")
+        out = self.out / "promotion" / key
+        (out / "decision.json").unlink(missing_ok=True)  # only this run's decision counts
+        rc, lines = run_logged(key, self.promote_cmd(*args, "--out", str(out)), self.logs / f"{key}.log", self.env,
+                               evaluation_progress)
         if rc not in (0, 1) or not (out / "decision.json").is_file():
             raise self.fail(key, f"promote_drafter.py exited {rc}", lines)
         start = next((i for i, x in enumerate(lines) if " vs " in x and "prompts from" in x), 0)
@@ -387,10 +380,9 @@ class Demo:
         from pipelines import registry
 
         st = registry.read_model(self.tracking_uri, self.model)
-        version = next((m.group(1) for x in lines if (m := re.search(r" v(\d+) ", x)) and "registered" in x), None)
         res = {"decision": "PROMOTED" if d["decision"]["promote"] else "REFUSED", "reason": d["decision"]["reason"],
                "evaluations": d["evaluations"], "champion": st.champion, "tracking_uri": self.tracking_uri,
-               "version": version}
+               "version": d["evaluations"]["challenger"]["version"]}
         self.done(key, t0, f"-> {res['decision']}; @champion is {'v' + st.champion if st.champion else 'unset'}")
         return res
 
@@ -418,14 +410,12 @@ class Demo:
         return f"http://127.0.0.1:{self.state['serving']['port']}"
 
     def _apps_up(self) -> list[str]:
-        return [name for name, p in (("dflash", ""), ("ar", "/ar")) if _get(self.url + p + "/v1/models", 2.0)[0] == 200]
-
-    def _apps_ready(self) -> bool:
-        return len(self._apps_up()) == 2
+        return [app for app, route in APPS.items() if _get(self.url + route + "/v1/models", 2.0)[0] == 200]
 
     def serving(self) -> None:
         s = self.state.get("serving", {})
-        if s.get("pid") and _alive(s["pid"]) and s.get("tracking_uri") == self.tracking_uri and self._apps_ready():
+        if s.get("pid") and _alive(s["pid"]) and s.get("tracking_uri") == self.tracking_uri \
+                and len(self._apps_up()) == len(APPS):
             say(f"\n[serving] reused: {self.url} (serve run, pid {s['pid']})")
             return
         path = self.serve_config()
@@ -434,12 +424,12 @@ class Demo:
         log = self.logs / "serving.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:
-            proc = subprocess.Popen([str(self.bin / "serve"), "run", str(path)], cwd=ROOT, env=self.env, stdout=f,
+            proc = subprocess.Popen([str(BIN / "serve"), "run", str(path)], cwd=ROOT, env=self.env, stdout=f,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.state["serving"] |= {"pid": proc.pid, "config": str(path), "tracking_uri": self.tracking_uri}
         self.save()
         last = time.monotonic()
-        while len(up := self._apps_up()) < 2:
+        while len(up := self._apps_up()) < len(APPS):
             if proc.poll() is not None:
                 raise self.fail("serving", f"serve run exited {proc.returncode}",
                                 log.read_text(errors="replace").splitlines())
@@ -447,7 +437,8 @@ class Demo:
                 raise self.fail("serving", f"the apps did not answer within {self.cfg.serve_timeout_s:.0f} s",
                                 log.read_text(errors="replace").splitlines())
             if time.monotonic() - last >= HEARTBEAT_S:
-                say(f"  serving: loading target + drafter · apps up {len(up)}/2 · {_elapsed(time.monotonic() - t0)}")
+                say(f"  serving: loading target + drafter · apps up {len(up)}/{len(APPS)} · "
+                    f"{_elapsed(time.monotonic() - t0)}")
                 last = time.monotonic()
             time.sleep(1.0)
         self.done("serving", t0, f"up: {self.url} (speculative) and {self.url}/ar (AR)")
@@ -463,8 +454,8 @@ class Demo:
         t0 = self.stage("chat", f"{c.chat_requests} ShareGPT chat requests x {c.chat_tokens} tokens to each app, "
                         "with the official openai client", f"OpenAI(base_url='{self.url}/v1').chat.completions.create(...)")
         key = os.environ.get("DFLASH_API_KEY") or "none"
-        clients = {"dflash": OpenAI(base_url=self.url + "/v1", api_key=key, timeout=600, max_retries=0),
-                   "ar": OpenAI(base_url=self.url + "/ar/v1", api_key=key, timeout=600, max_retries=0)}
+        clients = {app: OpenAI(base_url=self.url + route + "/v1", api_key=key, timeout=600, max_retries=0)
+                   for app, route in APPS.items()}
         model = clients["dflash"].models.list().data[0].id
         logging.getLogger("specdec.prompts").setLevel(logging.ERROR)  # the packaged file's truncation note
         prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=c.chat_requests,
@@ -472,7 +463,7 @@ class Demo:
         for cl in clients.values():  # warm-up: first-request costs stay out of the numbers
             cl.chat.completions.create(model=model, messages=prompts[0], max_tokens=4, temperature=0)
         time.sleep(2.5)  # replicas push their metrics every second
-        before = {k: app_metrics(self.url + ("" if k == "dflash" else "/ar")) for k in clients}
+        before = {app: app_metrics(self.url + route) for app, route in APPS.items()}
         rows, last = [], time.monotonic()
         for i, messages in enumerate(prompts):
             row = {"messages": messages}
@@ -490,7 +481,7 @@ class Demo:
                 say(f"  chat: {i + 1}/{len(prompts)} requests · speculative {sp:.1f} tok/s, AR {ar:.1f} tok/s")
                 last = time.monotonic()
         time.sleep(2.5)
-        after = {k: app_metrics(self.url + ("" if k == "dflash" else "/ar")) for k in clients}
+        after = {app: app_metrics(self.url + route) for app, route in APPS.items()}
         self.times["chat"] = round(time.monotonic() - t0, 1)
         return {"model": model, "rows": rows, "metrics": {k: _delta(before[k], after[k]) for k in clients}}
 
@@ -544,7 +535,7 @@ class Demo:
         for k in ("reference", "promotion"):
             if s[k]:
                 champ = f"v{s[k]['champion']}" if s[k]["champion"] else "unset"
-                say(f"{k:<10} v{s[k].get('version') or s[k].get('challenger')}: {s[k]['decision']} -> @champion {champ}")
+                say(f"{k:<10} v{s[k]['version']}: {s[k]['decision']} -> @champion {champ}")
         d = sp["drafter"] or {}
         drafter = (d.get("source") or "none (speculation off)") + (f" v{d['version']}" if d.get("version") else "")
         if d.get("version") == "reference":  # no @champion: drafter=auto serves the packaged reference
@@ -586,33 +577,26 @@ def _brief(d: dict | None) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- metrics
+_TOTALS = {"prefill_s": "prefill_seconds_total", "draft_s": "draft_seconds_sum", "verify_s": "verify_seconds_sum",
+           "tokens": "generated_tokens_total", "cycles": "engine_cycles_total", "acc_sum": "accepted_length_sum",
+           "acc_count": "accepted_length_count"}
+
+
 def app_metrics(url: str) -> dict:
     """Totals over an app's replicas from its /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from serve_app.metrics import scrape_totals
 
     code, text = _get(url + "/metrics", timeout=30)
     if code != 200:
         raise DemoError(f"{url}/metrics answered {code}")
-    m = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "tokens": 0.0, "cycles": 0.0, "acc_sum": 0.0,
-         "acc_count": 0.0, "draft_tokens": {}, "accepted_draft_tokens": {}, "drafter": None}
-    names = {"dflash_prefill_seconds_total": "prefill_s", "dflash_draft_seconds_sum": "draft_s",
-             "dflash_verify_seconds_sum": "verify_s", "dflash_generated_tokens_total": "tokens",
-             "dflash_engine_cycles_total": "cycles", "dflash_accepted_length_sum": "acc_sum",
-             "dflash_accepted_length_count": "acc_count"}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in names:
-                m[names[s.name]] += s.value
-            elif s.name in ("dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total"):
-                k = s.name.removeprefix("dflash_").removesuffix("_total")
-                m[k][s.labels["source"]] = m[k].get(s.labels["source"], 0.0) + s.value
-            elif s.name == "dflash_drafter_info":
-                m["drafter"] = {"source": s.labels.get("source"), "version": s.labels.get("version")}
-    return m
+    t = scrape_totals(text)
+    return {k: t.get(name, 0.0) for k, name in _TOTALS.items()} | {
+        "draft_tokens": t["draft_tokens_total"], "accepted_draft_tokens": t["accepted_draft_tokens_total"],
+        "drafter": t["drafter_info"]}
 
 
 def _delta(a: dict, b: dict) -> dict:
-    d = {k: b[k] - a[k] for k in ("prefill_s", "draft_s", "verify_s", "tokens", "cycles", "acc_sum", "acc_count")}
+    d = {k: b[k] - a[k] for k in _TOTALS}
     for k in ("draft_tokens", "accepted_draft_tokens"):
         d[k] = {s: b[k][s] - a[k].get(s, 0.0) for s in b[k]}
     d["tau"] = d["acc_sum"] / d["acc_count"] if d["acc_count"] else None

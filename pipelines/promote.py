@@ -256,8 +256,8 @@ class PromoteConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise PromoteError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.lookup_block < 0 or self.lookup_block == 1:
-            raise PromoteError(f"--lookup-block: expected 0 (off) or an integer >= 2, got {self.lookup_block}")
+        if self.lookup_block < 0:
+            raise PromoteError(f"--lookup-block: expected an integer >= 0 (0 or 1: off), got {self.lookup_block}")
         if self.block_size is not None:
             from specdec.drafter import check_block_size
 

@@ -271,3 +271,24 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
         for (endpoint, status), n in sorted(http_counts.items()):
             lines.append(f"{full}{_labels(endpoint=endpoint, status=status)} {n}")
     return "\n".join(lines) + "\n"
+
+
+def scrape_totals(text: str, prefix: str = "dflash_") -> dict:
+    """Parse ``/metrics`` text back into totals over the replicas: every sample by its name
+    without ``prefix`` (``draft_seconds_sum``, ``generated_tokens_total``, ...), the
+    by-source counters as ``{source: value}`` dicts, and ``drafter_info`` as the labels of
+    the drafter in use (None without one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"draft_tokens_total": {}, "accepted_draft_tokens_total": {}, "drafter_info": None}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            name = smp.name.removeprefix(prefix)
+            if name == "drafter_info":
+                out[name] = {"source": smp.labels.get("source"), "version": smp.labels.get("version")}
+            elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
+                src = smp.labels["source"]
+                out[name][src] = out[name].get(src, 0.0) + smp.value
+            elif "le" not in smp.labels:
+                out[name] = out.get(name, 0.0) + smp.value
+    return out

@@ -530,6 +530,27 @@ def test_prometheus_rendering_parses():
     assert drafted == {"dflash": 3 + 3 + 7, "lookup": 7} and kept == {"dflash": 3 + 0 + 1, "lookup": 7}
 
 
+
+def test_scrape_totals_sums_what_render_prometheus_wrote_over_replicas():
+    from serve_app.metrics import ReplicaMetrics, render_prometheus, scrape_totals
+
+    a, b = ReplicaMetrics(max_block=4), ReplicaMetrics(max_block=4)
+    a.cycle(2, 4, [3, 0], 0.01, 0.05, 1.7)
+    a.emitted(5)
+    b.cycle(1, 4, [1], 0.02, 0.04, 1.2, [("lookup", 3)])
+    b.emitted(2)
+    b.prefill(0.5)
+    a.drafter = b.drafter = {"source": "models:/x@champion", "version": "3"}
+    t = scrape_totals(render_prometheus({"r1": a.snapshot(), "r2": b.snapshot()}))
+    assert t["generated_tokens_total"] == 7 and t["engine_cycles_total"] == 2 and t["replicas"] == 2
+    assert t["accepted_length_sum"] == (4 + 1) + 2 and t["accepted_length_count"] == 3
+    assert abs(t["draft_seconds_sum"] - 0.03) < 1e-9 and abs(t["verify_seconds_sum"] - 0.09) < 1e-9
+    assert t["prefill_seconds_total"] == 0.5
+    assert t["draft_tokens_total"] == {"dflash": 6, "lookup": 3} and t["accepted_draft_tokens_total"] == \
+        {"dflash": 3, "lookup": 1}
+    assert t["drafter_info"] == {"source": "models:/x@champion", "version": "3"}
+
+
 def test_config_defaults_builder_args_and_yaml():
     cfg = load_config({})
     assert cfg.drafter_source == "models:/dflash-smollm2-135m@champion" and cfg.backend == "hf"
