@@ -4,7 +4,7 @@ features (ray job submit) -> the packaged reference drafter as first @champion -
 @champion beside the target alone) -> chat requests with the openai client -> summary JSON + PNG.
 Stages and what each prints: pipelines/demo.py. Re-running reuses what is done.
 
-    python jobs/demo.py [--prompts 64] [--max-new-tokens 64] [--steps 60] [--out runs/demo]
+    python jobs/demo.py [--prompts 256] [--max-new-tokens 64] [--steps 60] [--out runs/demo]
     python jobs/demo.py --stop          # make demo-stop: the served apps and the stack
 """
 

@@ -227,6 +227,9 @@ class StorageSection:
     dtype: Literal["float16", "bfloat16", "int8"] = "float16"
     samples_per_shard: int = option(64, check=POSITIVE)
     compression: Literal["none", "zstd"] = "none"  # for the features column
+    # K > 0: also store the target's top-K next-token log-probs per position (distillation
+    # targets for train.distill; K x 6 bytes a token, from the teacher-forced pass)
+    teacher_topk: int = option(0, check=(lambda v: 0 <= v <= 256, "in [0, 256]"))
     options: dict = option(factory=dict)  # fsspec options: endpoint_url, region, key, secret, ...
 
 
@@ -255,6 +258,9 @@ class FeaturesConfig:
         if self.generation.backend == "dataset" and self.generation.temperature > 0:
             raise ConfigError("features.generation.temperature: the dataset backend generates nothing (it reads the "
                               "dataset's answers); leave it at 0")
+        if self.storage.teacher_topk and self.extract.from_generation:
+            raise ConfigError("features.storage.teacher_topk: teacher log-probs come from the teacher-forced pass; "
+                              "set features.extract.from_generation: false (or teacher_topk: 0)")
         if self.extract.from_generation and self.generation.backend != "hf":
             raise ConfigError("features.extract.from_generation: only the hf backend exposes hidden states while "
                               f"generating, got backend {self.generation.backend!r}")
@@ -276,6 +282,8 @@ class FeaturesConfig:
         }
         if self.extract.from_generation:  # only when set: runs made before the option still resume
             content["extract"] = {"from_generation": True}
+        if self.storage.teacher_topk:  # likewise
+            content["storage"]["teacher_topk"] = self.storage.teacher_topk
         return content
 
 

@@ -51,7 +51,7 @@ class DemoConfig:
     out: Path = Path("runs/demo")
     config: str = "configs/smollm2-135m.yaml"
     target: str | None = None  # None: the recipe's target (the embedded SmolLM2)
-    prompts: int = 64  # ShareGPT prompts the target answers for the features
+    prompts: int = 256  # ShareGPT prompts the target answers for the features (a few hundred)
     max_new_tokens: int = 64
     steps: int = 60  # training steps (the full recipe: configs/smollm2-135m.yaml)
     sets: list[str] = field(default_factory=list)  # extra recipe overrides for features and training

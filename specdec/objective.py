@@ -105,6 +105,32 @@ def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, bl
     return create_block_mask(mask_mod, Bsz, None, Q, ctx_len + Q, device=anchors.device)
 
 
+def teacher_law(ids: torch.Tensor, logprobs: torch.Tensor,
+                vocab_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft-head column (M, K) long, probability (M, K)) of a top-K teacher law,
+    renormalised over the ids the drafter can propose (``vocab_index`` maps target ids
+    to draft columns, -1 outside); a row with no such id is all zero."""
+    cols = vocab_index[ids] if vocab_index is not None else ids
+    p = logprobs.float().exp() * (cols >= 0)
+    return cols.clamp(min=0), p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+
+
+def _distilled(ce: torch.Tensor, logits: torch.Tensor, sel: torch.Tensor, src: torch.Tensor,
+               teacher: tuple[torch.Tensor, torch.Tensor], vocab_index: torch.Tensor | None,
+               alpha: float) -> torch.Tensor:
+    """Mix the hard-label CE (M,) of the labelled positions with the CE against the
+    teacher's law at their source positions ``src`` (Bsz, N, B-1)."""
+    t_ids, t_logp = teacher
+    Bsz, N, D = src.shape
+    K = t_ids.shape[-1]
+    idx = src.reshape(Bsz, N * D, 1).expand(-1, -1, K)
+    ids = t_ids.gather(1, idx).view(Bsz, N, D, K)[sel]
+    logp = t_logp.gather(1, idx).view(Bsz, N, D, K)[sel]
+    cols, p = teacher_law(ids, logp, vocab_index)
+    soft = -(p * torch.log_softmax(logits.float(), -1).gather(1, cols)).sum(-1)
+    return torch.where(p.sum(-1) > 0, (1 - alpha) * ce + alpha * soft, ce)
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor
@@ -118,7 +144,8 @@ class StepOutput:
 def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
                 input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
                 num_anchors: int, lam: float | None = None, generator: torch.Generator | None = None,
-                use_flex: bool = False, vocab_index: torch.Tensor | None = None) -> StepOutput:
+                use_flex: bool = False, vocab_index: torch.Tensor | None = None,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0) -> StepOutput:
     """Weighted block-denoising loss for a padded batch.
 
     input_ids/loss_mask (Bsz, T), features (Bsz, T, n*H) from the target's chosen layers,
@@ -126,6 +153,13 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     With a reduced draft vocabulary ``logits_fn`` scores only its V_d tokens and
     ``vocab_index`` (V,) maps target ids to draft indices (-1 outside): such labels cost
     nothing (the drafter can never propose them) and count as misses in acc and tau.
+
+    ``teacher`` = (ids, log-probs), each (Bsz, T, K): the target's top-K next tokens after
+    each position. With ``distill`` alpha > 0 the CE at each offset becomes
+    ``(1 - alpha) * CE(label) + alpha * CE(teacher law)``, the teacher law being its top-K
+    renormalised over what the drafter can propose (positions where none of it can be
+    proposed keep the plain CE). The label of position p is scored against the target's
+    law after p - 1, the law verification compares with.
     """
     cfg = drafter.config
     Bk = cfg.block_size
@@ -153,6 +187,9 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
         labels = vocab_index[labels]
     w = loss_weights(Bk, lam, dev)[None, None].expand(Bsz, N, -1)[sel]
     ce = F.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none") * (labels >= 0)
+    if distill > 0 and teacher is not None:
+        src = (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).clamp(max=T - 1)  # p - 1
+        ce = _distilled(ce, logits, sel, src, teacher, vocab_index, distill)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
 
     with torch.no_grad():

@@ -151,6 +151,23 @@ class Target(nn.Module):
         """The target's LM head (with the family's final soft-capping, if any)."""
         return self.softcap(self.lm_head(hidden))
 
+    @torch.no_grad()
+    def topk_logprobs(self, hidden: torch.Tensor, k: int, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's k most likely next tokens after each position of ``hidden`` (..., H)
+        (final-normed, as ``forward`` returns it): ids (..., k) int32 and their
+        log-probabilities under the full vocabulary (..., k) float32. Distillation targets;
+        computed ``chunk`` positions at a time so the full logits never exist at once."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        ids, logp = [], []
+        for part in flat.split(chunk):
+            top = torch.log_softmax(self.logits(part).float(), dim=-1).topk(k, dim=-1)
+            ids.append(top.indices.to(torch.int32))
+            logp.append(top.values)
+        shape = (*hidden.shape[:-1], k)
+        if not ids:
+            return flat.new_zeros(shape, dtype=torch.int32), flat.new_zeros(shape, dtype=torch.float32)
+        return torch.cat(ids).view(shape), torch.cat(logp).view(shape)
+
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's final logit soft-capping (identity for most targets)."""
         if self.logit_softcap:

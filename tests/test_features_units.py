@@ -325,3 +325,44 @@ def test_shard_writer_overlapped_io_writes_the_same_bytes(tiny_dir, tmp_path):
     assert table.column("id").to_pylist() == ["b", "c", "a"]  # length-sorted mini-batches
     assert table.column("loss_mask").to_pylist()[2] == [0, 0, 1, 1]
     assert record["skipped"] == {"d": "prompt_too_long"} and record["layout"]["layer_ids"] == [1, 4]
+
+
+def test_teacher_logprobs_are_the_target_law_of_the_teacher_forced_pass(tiny_dir, tmp_path):
+    """features.storage.teacher_topk K: each stored row holds the target's top-K next tokens
+    and log-probs after every position, equal to a fresh full-vocabulary softmax; the
+    manifest layout says K and the bytes per token count it; from_generation is refused."""
+    import pyarrow.parquet as pq
+
+    from pipelines.features.format import FeatureLayout
+    from pipelines.features.workers import ShardWriter
+    from specdec.target import load_target
+
+    target = load_target(str(tiny_dir))
+    shard = {"shard_id": "00001", "ids": ["a", "b"], "input_ids": [[5, 6, 7, 8, 9], [9, 10, 11]],
+             "prompt_tokens": [2, 1], "finish_reason": ["stop", "length"], "skipped_ids": [], "skipped_reasons": [],
+             "gen_tokens": 5, "gen_seconds": 0.0, "gen_pid": 0}
+    writer = ShardWriter(target, [1, 4], "float16", "none", 2, str(tmp_path), {}, "k", "m", teacher_topk=4)
+    writer.write_shard(shard)
+    record = json.loads((tmp_path / "progress" / "shard-00001.json").read_text())
+    layout = FeatureLayout.from_manifest(record["layout"])
+    assert layout.teacher_topk == 4 and layout.nominal_bytes_per_token == 2 * 2 * target.hidden_size + 24
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / record["path"]).to_pylist()}
+    for sid, seq in zip(shard["ids"], shard["input_ids"]):
+        row = layout.decode_row(rows[sid])
+        ids = torch.tensor([seq])
+        out = target(ids, torch.arange(len(seq))[None])
+        full = torch.log_softmax(target.logits(out.hidden).double(), -1)[0]
+        top = full.topk(4, dim=-1)
+        assert torch.equal(row["teacher_ids"], top.indices)
+        torch.testing.assert_close(row["teacher_logprobs"].double(), top.values, atol=2e-3, rtol=1e-3)
+    # a layout without teacher columns (every run made before them) decodes as before
+    plain = FeatureLayout.from_manifest({k: v for k, v in record["layout"].items() if k != "teacher_topk"})
+    assert plain.teacher_topk == 0 and "teacher_ids" not in plain.decode_row(rows["a"])
+    with pytest.raises(ValueError, match="teacher-forced pass"):
+        writer.write_shard(shard, recorded=[torch.zeros(5, 2 * target.hidden_size), torch.zeros(3, 2 * target.hidden_size)])
+    with pytest.raises(ConfigError, match=r"features\.storage\.teacher_topk: teacher log-probs come from the "
+                                          r"teacher-forced pass"):
+        parse_section(FeaturesConfig, {"output": "x", "generation": {"backend": "hf"}, "extract": {"from_generation": True},
+                                       "storage": {"teacher_topk": 8}}, "features")
+    with pytest.raises(ConfigError, match=r"features\.storage\.teacher_topk: expected int in \[0, 256\]"):
+        parse_section(FeaturesConfig, {"output": "x", "storage": {"teacher_topk": -1}}, "features")

@@ -128,3 +128,85 @@ def test_training_lowers_loss_and_raises_tau(tiny):
     last = dflash_loss(d, embed, head, ids, lm, feats.float(), lengths, 16, generator=gen)
     assert last.loss < 0.5 * first.loss
     assert last.tau > first.tau + 0.5
+
+
+def _distill_setup(seed=0):
+    from specdec.tiny import tiny_target
+
+    t = tiny_target("llama")
+    d = random_drafter(t, block_size=4, layers=1).float()
+    ids, lm, lengths = _batch(T=24, seed=seed)
+    ids = ids % t.vocab_size
+    feats = torch.randn(ids.shape[0], ids.shape[1], d.config.num_features * t.hidden_size,
+                        generator=torch.Generator().manual_seed(seed))
+    embed = lambda x: t.embed(x).float()  # noqa: E731
+    head = lambda h: t.logits(h.double()).float()  # noqa: E731
+    return t, d, ids, lm, lengths, feats, embed, head
+
+
+def _loss(d, embed, head, ids, lm, feats, lengths, **kw):
+    return dflash_loss(d, embed, head, ids, lm, feats, lengths, 6, generator=torch.Generator().manual_seed(7), **kw)
+
+
+def test_distill_with_the_labels_as_teacher_is_the_plain_loss():
+    """A teacher whose law is the label itself (top-1 = next token, mass 1) changes nothing;
+    the teacher row of a label at p is row p - 1 (an off-by-one would score the wrong token)."""
+    t, d, ids, lm, lengths, feats, embed, head = _distill_setup()
+    K = 3
+    t_ids = torch.zeros(*ids.shape, K, dtype=torch.long)
+    t_ids[:, :-1, 0] = ids[:, 1:]  # row p-1 holds the token at p
+    t_ids[..., 1:] = 5
+    t_logp = torch.full((*ids.shape, K), -1e4)
+    t_logp[..., 0] = 0.0
+    plain = _loss(d, embed, head, ids, lm, feats, lengths)
+    for alpha in (0.5, 1.0):
+        got = _loss(d, embed, head, ids, lm, feats, lengths, teacher=(t_ids, t_logp), distill=alpha)
+        assert torch.allclose(got.loss, plain.loss, atol=1e-5)
+    shifted = (t_ids.roll(-1, dims=1), t_logp)  # row p holds the token at p + 1: the wrong rows
+    assert not torch.allclose(_loss(d, embed, head, ids, lm, feats, lengths, teacher=shifted, distill=1.0).loss,
+                              plain.loss, atol=1e-3)
+
+
+def test_distill_follows_the_teacher_law_and_the_draft_vocabulary():
+    """alpha = 1 is the CE against the renormalised top-K law, computed by hand; ids outside
+    the draft vocabulary get no mass, and a position with none left keeps the hard CE."""
+    from specdec.objective import teacher_law
+
+    ids = torch.tensor([[3, 7, 9], [4, 8, 2]])
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.6, 0.3, 0.05]]))
+    cols, p = teacher_law(ids, logp)
+    assert torch.equal(cols, ids)
+    assert torch.allclose(p[0], torch.tensor([0.5, 0.2, 0.1]) / 0.8)
+    index = torch.full((12,), -1)
+    index[torch.tensor([3, 9, 2])] = torch.tensor([0, 1, 2])
+    cols, p = teacher_law(ids, logp, index)
+    assert torch.allclose(p[0], torch.tensor([0.5, 0.0, 0.1]) / 0.6) and cols[0].tolist() == [0, 0, 1]
+    assert torch.allclose(p[1], torch.tensor([0.0, 0.0, 1.0]))
+    none = teacher_law(torch.tensor([[7, 8]]), torch.zeros(1, 2), index)[1]
+    assert float(none.sum()) == 0.0
+
+    t, d, tok, lm, lengths, feats, embed, head = _distill_setup(seed=1)
+    K = 4
+    g = torch.Generator().manual_seed(3)
+    t_ids = torch.randint(0, t.vocab_size, (*tok.shape, K), generator=g)
+    t_logp = torch.log_softmax(torch.randn(*tok.shape, K, generator=g), -1)
+    got = _loss(d, embed, head, tok, lm, feats, lengths, teacher=(t_ids, t_logp), distill=1.0)
+    # by hand: the same blocks, the soft CE at each labelled position against row p - 1
+    blocks = sample_blocks(tok, lm, lengths, 4, 6, torch.Generator().manual_seed(7))
+    plain = _loss(d, embed, head, tok, lm, feats, lengths)
+    assert plain.n_tokens == got.n_tokens and not torch.allclose(plain.loss, got.loss)
+    from specdec.objective import block_mask_dense as bmd
+    N = blocks.anchors.shape[1]
+    block_ids = torch.full((tok.shape[0], N, 4), d.config.mask_token_id)
+    block_ids[:, :, 0] = tok.gather(1, blocks.anchors)
+    pos = blocks.anchors[..., None] + torch.arange(4)
+    ctx = d.context_kv(feats, torch.arange(tok.shape[1])[None].expand(tok.shape[0], -1))
+    mask = bmd(blocks.anchors, blocks.valid, tok.shape[1], 4)
+    hidden = d(embed(block_ids.flatten(1)), pos.flatten(1), ctx, mask).view(tok.shape[0], N, 4, -1)[:, :, 1:]
+    logq = torch.log_softmax(head(hidden[blocks.label_mask]), -1)
+    src = (blocks.anchors[..., None] + torch.arange(3))[blocks.label_mask]
+    b_of = torch.arange(tok.shape[0])[:, None, None].expand(-1, N, 3)[blocks.label_mask]
+    soft = -(t_logp[b_of, src].exp() / t_logp[b_of, src].exp().sum(-1, keepdim=True)
+             * logq.gather(1, t_ids[b_of, src])).sum(-1)
+    w = loss_weights(4, default_lambda(4))[None, None].expand(tok.shape[0], N, -1)[blocks.label_mask]
+    assert torch.allclose(got.loss, (w * soft).sum() / w.sum(), atol=1e-5)

@@ -174,6 +174,27 @@ def test_collate_pads_cuts_and_decodes_stored_rows(dtype):
     assert batch.seed(0) == Collate(layout.as_dict(), 7)(pa.Table.from_pylist(rows[::-1])).seed(0)
 
 
+def test_collate_decodes_teacher_logprobs_and_tolerates_rows_without_them():
+    from pipelines.features.format import FeatureLayout
+    from pipelines.train.data import Collate
+
+    layout = FeatureLayout("float16", (1,), 4, teacher_topk=2)
+    rows = []
+    for n in (3, 4):
+        data, _ = layout.encode(torch.zeros(n, 4))
+        t_ids = torch.arange(2 * n).view(1, n, 2)
+        (ti, tl), = layout.encode_teacher(t_ids, torch.full((1, n, 2), -0.5), [n])
+        rows.append({"id": f"r{n}", "input_ids": [1] * n, "loss_mask": [1] * n, "num_tokens": n, "features": data,
+                     "scales": None, "teacher_ids": ti, "teacher_logprobs": tl})
+    rows.append(dict(rows[0], id="old", teacher_ids=None, teacher_logprobs=None))  # a holdout run without them
+    batch = Collate(layout.as_dict(), max_length=8)(pa.Table.from_pylist(rows))
+    assert batch.teacher_ids.shape == (3, 4, 2) and batch.teacher_ids[1].flatten().tolist() == list(range(8))
+    assert batch.teacher_logprobs[0, :3].eq(-0.5).all() and batch.teacher_logprobs[0, 3].eq(-1e4).all()
+    assert batch.teacher_logprobs[2].eq(-1e4).all()  # no teacher mass: the loss keeps the plain CE there
+    moved = batch.to("cpu")
+    assert torch.equal(moved.teacher_ids, batch.teacher_ids)
+
+
 def test_holdout_split_is_stable_and_close_to_the_fraction():
     ids = [f"sample-{i}" for i in range(4000)]
     mask = holdout_mask(ids, 0.05)
@@ -332,13 +353,20 @@ def test_online_features_from_token_sequences(cluster, work, target_dir, feature
             for r in pq.read_table(f, columns=["id", "input_ids", "prompt_tokens"]).to_pylist()]
     seq = work / "sequences.jsonl"
     seq.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5),
-              "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")  # online: any layers
+    # online: any layers; distillation from the target's law computed in the worker
+    res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5,
+                     distill=0.5), "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")
     assert res.steps == 10 and res.history[-1]["holdout_loss"] < res.history[0]["holdout_loss"]
     cfg = json.loads((Path(res.drafter_dir) / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["dflash_ray"]["online_features"] is True
     assert cfg["dflash_ray"]["draft_vocab_size"] == len(load_drafter(res.drafter_dir).draft_vocab) >= 16
     assert cfg["dflash_ray"]["features_manifest_sha256"] is None and cfg["dflash_ray"]["features_uri"] == str(seq)
+
+
+def test_distill_needs_a_feature_run_with_teacher_logprobs(cluster, work, target_dir, features):
+    with pytest.raises(ConfigError, match=r"^train\.distill: 0\.5 needs the target's log-probs, which the feature "
+                                          r"run .* does not store; make it with features\.storage\.teacher_topk"):
+        fit(recipe(work, target_dir, "distill", max_steps=1), "train.distill=0.5")
 
 
 # ---------------------------------------------------------------------------- ray job submit

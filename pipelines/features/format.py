@@ -21,6 +21,10 @@ One Parquet row per sample (:func:`shard_schema`):
                                     as float16, bfloat16 (raw bits) or int8
 ``scales``      large_binary, null  int8 only: float32 (num_tokens, n_layers), one absmax
                                     scale per token and layer; x = q * scale
+``teacher_ids`` large_binary, null  with ``teacher_topk`` K > 0: int32 (num_tokens, K), the
+                                    target's K most likely next tokens after each position
+``teacher_logprobs`` large_binary, null  float16 (num_tokens, K): their log-probabilities
+                                    under the target's full vocabulary (distillation targets)
 ==============  ==================  ====================================================
 
 Features are raw bytes rather than nested lists so that a token costs exactly
@@ -56,6 +60,8 @@ def shard_schema(metadata: dict | None = None) -> pa.Schema:
         ("finish_reason", pa.string()),
         ("features", pa.large_binary()),  # 64-bit offsets: a row group may exceed 2 GiB
         ("scales", pa.large_binary()),
+        ("teacher_ids", pa.large_binary()),
+        ("teacher_logprobs", pa.large_binary()),
     ])
     if metadata:
         schema = schema.with_metadata({"dflash_features": json.dumps(metadata, sort_keys=True)})
@@ -69,15 +75,20 @@ class FeatureLayout:
     dtype: str  # float16 | bfloat16 | int8
     layer_ids: tuple[int, ...]
     hidden_size: int
+    teacher_topk: int = 0  # K > 0: each row also stores the target's top-K next-token log-probs
 
     def __post_init__(self):
         if self.dtype not in STORED_DTYPES:
             raise ValueError(f"feature dtype must be one of {STORED_DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+        object.__setattr__(self, "teacher_topk", int(self.teacher_topk or 0))
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> "FeatureLayout":
-        return cls(manifest["dtype"], tuple(manifest["layer_ids"]), int(manifest["hidden_size"]))
+        """The layout of a manifest (or of a shard's ``layout`` record); runs made before
+        teacher log-probs existed have none."""
+        return cls(manifest["dtype"], tuple(manifest["layer_ids"]), int(manifest["hidden_size"]),
+                   int(manifest.get("teacher_topk") or 0))
 
     @property
     def num_layers(self) -> int:
@@ -89,12 +100,14 @@ class FeatureLayout:
 
     @property
     def nominal_bytes_per_token(self) -> int:
-        """layers x hidden x bytes: the planning figure (DESIGN.md "Feature shards")."""
-        return self.feature_dim * _ITEM_BYTES[self.dtype]
+        """layers x hidden x bytes (+ 6 bytes per stored teacher log-prob): the planning
+        figure (DESIGN.md "Feature shards")."""
+        return self.feature_dim * _ITEM_BYTES[self.dtype] + 6 * self.teacher_topk
 
     def as_dict(self) -> dict:
         return {"dtype": self.dtype, "layer_ids": list(self.layer_ids), "hidden_size": self.hidden_size,
-                "feature_dim": self.feature_dim, "scale_dtype": "float32" if self.dtype == "int8" else None}
+                "feature_dim": self.feature_dim, "scale_dtype": "float32" if self.dtype == "int8" else None,
+                "teacher_topk": self.teacher_topk}
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, feats: torch.Tensor) -> tuple[bytes, bytes | None]:
@@ -140,15 +153,39 @@ class FeatureLayout:
             t = t.view(torch.bfloat16)
         return t.to(dtype)
 
+    def encode_teacher(self, ids: torch.Tensor, logprobs: torch.Tensor,
+                       lengths: list[int]) -> list[tuple[bytes, bytes]]:
+        """(teacher_ids, teacher_logprobs) bytes per row of right-padded (B, T, K) top-K
+        next-token ids and log-probs (see ``Target.topk_logprobs``)."""
+        if ids.shape != logprobs.shape or ids.dim() != 3 or ids.shape[-1] != self.teacher_topk:
+            raise ValueError(f"expected teacher ids and log-probs of shape (B, T, {self.teacher_topk}), "
+                             f"got {tuple(ids.shape)} and {tuple(logprobs.shape)}")
+        ids = ids.to(torch.int32).cpu()
+        # log-probs far in the tail (< -65504 would be -inf in float16) carry no mass: clamp them
+        logprobs = logprobs.float().clamp(min=-1e4).to(torch.float16).cpu()
+        return [(_to_bytes(ids[b, :n]), _to_bytes(logprobs[b, :n])) for b, n in enumerate(lengths)]
+
+    def decode_teacher(self, ids: bytes, logprobs: bytes, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (num_tokens, K) teacher ids (long) and log-probs (float32) of one row."""
+        shape = (int(num_tokens), self.teacher_topk)
+        i = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).reshape(shape).astype(np.int64))
+        lp = torch.from_numpy(np.frombuffer(logprobs, dtype=np.float16).reshape(shape).astype(np.float32))
+        return i, lp
+
     def decode_row(self, row: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """A stored row as tensors: ``input_ids`` (T,) long, ``loss_mask`` (T,) bool,
-        ``features`` (T, n_layers * hidden) in ``dtype``."""
+        ``features`` (T, n_layers * hidden) in ``dtype``; with teacher log-probs also
+        ``teacher_ids`` (T, K) long and ``teacher_logprobs`` (T, K) float32."""
         n = int(row["num_tokens"])
-        return {
+        out = {
             "input_ids": torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64)),
             "loss_mask": torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.int8)).bool(),
             "features": self.decode(row["features"], row.get("scales"), n, dtype),
         }
+        if self.teacher_topk:
+            out["teacher_ids"], out["teacher_logprobs"] = self.decode_teacher(
+                row["teacher_ids"], row["teacher_logprobs"], n)
+        return out
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -309,7 +309,7 @@ def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardPlan], 
 def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
     first = records[0]
     layout = first["layout"]
-    nominal = FeatureLayout(layout["dtype"], layout["layer_ids"], layout["hidden_size"]).nominal_bytes_per_token
+    nominal = FeatureLayout.from_manifest(layout).nominal_bytes_per_token
     tokens = sum(r["tokens"] for r in records)
     nbytes = sum(r["bytes"] for r in records)
     skipped = Counter(reason for r in records for reason in r["skipped"].values())
@@ -326,6 +326,7 @@ def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
         "feature_dim": layout["feature_dim"],
         "dtype": layout["dtype"],
         "scale_dtype": layout["scale_dtype"],
+        "teacher_topk": layout.get("teacher_topk", 0),
         "generation": content["generation"],
         # "generation": kept from the decoding passes (each sequence's last token is zero)
         "extraction": "generation" if cfg.extract.from_generation else "teacher_forced",

@@ -560,13 +560,14 @@ class ShardWriter:
         """The writer a pipeline actor uses, from the stage's recipe sections."""
         return cls(loaded, resolve_layer_ids(layer_ids, num_layers, loaded.num_layers), storage_cfg["dtype"],
                    storage_cfg["compression"], batch_size, run_uri, storage_options, run_key,
-                   model_id=target["model"])
+                   model_id=target["model"], teacher_topk=storage_cfg.get("teacher_topk", 0))
 
     def __init__(self, target, layer_ids: list[int], dtype: str, compression: str, batch_size: int,
-                 run_uri: str, storage_options: dict, run_key: str, model_id: str, overlap_io: bool | None = None):
+                 run_uri: str, storage_options: dict, run_key: str, model_id: str, overlap_io: bool | None = None,
+                 teacher_topk: int = 0):
         self.target = target
         self.layer_ids = list(layer_ids)
-        self.layout = FeatureLayout(dtype, tuple(self.layer_ids), target.hidden_size)
+        self.layout = FeatureLayout(dtype, tuple(self.layer_ids), target.hidden_size, teacher_topk)
         self.compression = compression
         self.batch_size = batch_size
         self.fs, self.root = storage.filesystem(run_uri, storage_options)
@@ -582,21 +583,26 @@ class ShardWriter:
 
     # ------------------------------------------------------------------ compute
     @torch.no_grad()
-    def features(self, sequences: list[list[int]]) -> torch.Tensor:
+    def features(self, sequences: list[list[int]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(B, T_max, n_layers * hidden) features of right-padded sequences (causal, so
-        padding after a sequence never reaches it)."""
+        padding after a sequence never reaches it), and with ``teacher_topk`` K the target's
+        top-K next-token (ids, log-probs), each (B, T_max, K), from the same pass."""
         dev = self.target.device
         lens = [len(s) for s in sequences]
         ids = torch.zeros(len(sequences), max(lens), dtype=torch.long, device=dev)
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=dev)
         pos = torch.arange(ids.shape[1], device=dev)[None].expand_as(ids)
-        return self.target(ids, pos, None, None, self.layer_ids).features
+        out = self.target(ids, pos, None, None, self.layer_ids)
+        k = self.layout.teacher_topk
+        return out.features, (self.target.topk_logprobs(out.hidden, k) if k else None)
 
     # ------------------------------------------------------------------ one shard
     def write_shard(self, shard: dict, recorded: list[torch.Tensor] | None = None) -> dict:
         """Write and commit one shard; ``recorded`` (per sequence, as in ``shard``) are
         features computed while generating, else one teacher-forced pass computes them."""
+        if recorded is not None and self.layout.teacher_topk:
+            raise ValueError("teacher log-probs come from the teacher-forced pass; recorded features have none")
         t0 = time.perf_counter()
         shard_id = shard["shard_id"]
         rel = f"shards/shard-{shard_id}-{uuid.uuid4().hex[:8]}.parquet"  # per attempt: retries never clash
@@ -611,14 +617,19 @@ class ShardWriter:
                     seqs = [shard["input_ids"][i] for i in chunk]
                     # tensor work stays on this thread (a second thread would start its own
                     # intra-op thread team); the I/O thread only builds, hashes and writes bytes
-                    feats = _pad_stack([recorded[i] for i in chunk]) if recorded is not None else self.features(seqs)
-                    encoded = self.layout.encode_batch(feats, [len(q) for q in seqs])
+                    lens = [len(q) for q in seqs]
+                    if recorded is not None:
+                        feats, teacher = _pad_stack([recorded[i] for i in chunk]), None
+                    else:
+                        feats, teacher = self.features(seqs)
+                    encoded = self.layout.encode_batch(feats, lens)
+                    teacher = self.layout.encode_teacher(*teacher, lens) if teacher is not None else None
                     if pending is not None:
                         pending.result()
                     if self.io is None:
-                        self._write_rows(writer, shard, chunk, encoded)
+                        self._write_rows(writer, shard, chunk, encoded, teacher)
                     else:
-                        pending = self.io.submit(self._write_rows, writer, shard, chunk, encoded)
+                        pending = self.io.submit(self._write_rows, writer, shard, chunk, encoded, teacher)
             finally:
                 if pending is not None:
                     pending.result()  # never abandon the sink while the I/O thread writes to it
@@ -650,10 +661,10 @@ class ShardWriter:
                                 write_statistics=["num_tokens", "prompt_tokens"])
 
     def _write_rows(self, writer: pq.ParquetWriter, shard: dict, chunk: list[int],
-                    encoded: list[tuple[bytes, bytes | None]]) -> None:
+                    encoded: list[tuple[bytes, bytes | None]], teacher: list[tuple[bytes, bytes]] | None = None) -> None:
         """Write one encoded mini-batch as a row group (runs on the I/O thread)."""
         rows = {name: [] for name in writer.schema.names}
-        for i, (data, scales) in zip(chunk, encoded):
+        for k, (i, (data, scales)) in enumerate(zip(chunk, encoded)):
             n, p = len(shard["input_ids"][i]), shard["prompt_tokens"][i]
             rows["id"].append(shard["ids"][i])
             rows["input_ids"].append(shard["input_ids"][i])
@@ -663,4 +674,7 @@ class ShardWriter:
             rows["finish_reason"].append(shard["finish_reason"][i])
             rows["features"].append(data)
             rows["scales"].append(scales)
+            teacher_ids, teacher_logprobs = teacher[k] if teacher is not None else (None, None)
+            rows["teacher_ids"].append(teacher_ids)
+            rows["teacher_logprobs"].append(teacher_logprobs)
         writer.write_table(pa.Table.from_pydict(rows, schema=writer.schema))

@@ -76,6 +76,9 @@ class TrainSection:
     num_anchors: int = option(512, check=POSITIVE)  # blocks sampled per sequence
     eval_anchors: int | None = option(None, check=POSITIVE)  # null: num_anchors
     loss_lambda: float | None = option(None, check=POSITIVE)  # decay of the offset weights; null: paper's per B
+    # alpha > 0: CE against the target's own law (top-K log-probs stored with the features,
+    # features.storage.teacher_topk, or computed online) mixed in as (1 - alpha) * hard + alpha * soft
+    distill: float = option(0.0, check=FRACTION)
     lr: float = option(6e-4, check=POSITIVE)
     min_lr_ratio: float = option(0.0, check=FRACTION)  # cosine ends at lr * min_lr_ratio
     warmup: float = option(0.04, check=FRACTION)  # share of the schedule spent warming up linearly

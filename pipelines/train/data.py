@@ -161,10 +161,15 @@ class Batch:
     lengths: torch.Tensor  # (B,) long
     features: torch.Tensor | None  # (B, T, n_layers * hidden) or None (online: the worker computes them)
     ids: list[str]
+    # the target's top-K next-token ids (long) and log-probs (float) after each position,
+    # (B, T, K) each, from feature runs stored with teacher_topk (distillation targets)
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.loss_mask), move(self.lengths), move(self.features), self.ids)
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.lengths), move(self.features), self.ids,
+                     move(self.teacher_ids), move(self.teacher_logprobs))
 
     @property
     def rows(self) -> int:
@@ -184,8 +189,7 @@ class Collate:
     def __init__(self, layout: dict | None, max_length: int, dtype: torch.dtype = torch.float32):
         from pipelines.features.format import FeatureLayout
 
-        self.layout = (FeatureLayout(layout["dtype"], tuple(layout["layer_ids"]), layout["hidden_size"])
-                       if layout else None)
+        self.layout = FeatureLayout.from_manifest(layout) if layout else None
         self.max_length = max_length
         self.dtype = dtype
 
@@ -195,13 +199,20 @@ class Collate:
         B, T = len(rows), max(lens)
         ids = torch.zeros(B, T, dtype=torch.long)
         mask = torch.zeros(B, T, dtype=torch.bool)
-        feats = None
+        feats = t_ids = t_logp = None
         if self.layout is not None:
             feats = torch.zeros(B, T, self.layout.feature_dim, dtype=self.dtype)
+            if self.layout.teacher_topk:
+                t_ids = torch.zeros(B, T, self.layout.teacher_topk, dtype=torch.long)
+                t_logp = torch.full((B, T, self.layout.teacher_topk), -1e4)
         for b, (row, n) in enumerate(zip(rows, lens)):
             ids[b, :n] = torch.as_tensor(np.asarray(row["input_ids"][:n], dtype=np.int64))
             mask[b, :n] = torch.as_tensor(np.asarray(row["loss_mask"][:n], dtype=np.int8)).bool()
             if feats is not None:
                 full = self.layout.decode(row["features"], row.get("scales"), int(row["num_tokens"]), self.dtype)
                 feats[b, :n] = full[:n]
-        return Batch(ids, mask, torch.tensor(lens, dtype=torch.long), feats, [str(r["id"]) for r in rows])
+            if t_ids is not None and row.get("teacher_ids") is not None:  # else no teacher mass: plain CE
+                i, lp = self.layout.decode_teacher(row["teacher_ids"], row["teacher_logprobs"], int(row["num_tokens"]))
+                t_ids[b, :n], t_logp[b, :n] = i[:n], lp[:n]
+        return Batch(ids, mask, torch.tensor(lens, dtype=torch.long), feats, [str(r["id"]) for r in rows],
+                     t_ids, t_logp)

@@ -62,18 +62,24 @@ class TrainState:
         return cls(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
 
+#: teacher law kept per position when online features distil (stored runs carry their own K)
+ONLINE_TEACHER_TOPK = 16
+
+
 class DrafterLoss(nn.Module):
     """The drafter plus what it borrows from the target, with the DFlash loss as forward
     (so DDP and DeepSpeed see one ordinary module). Only the drafter is a registered
     submodule: the frozen target is neither synchronised, nor partitioned, nor saved."""
 
-    def __init__(self, drafter: DFlashDrafter, target, online: bool, lam: float | None, use_flex: bool = False):
+    def __init__(self, drafter: DFlashDrafter, target, online: bool, lam: float | None, use_flex: bool = False,
+                 distill: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self._target = (target,)  # a tuple keeps nn.Module from registering it
         self.online = online
         self.lam = lam
         self.use_flex = use_flex
+        self.distill = distill
         self.layer_ids = list(drafter.config.target_layer_ids)
         # the frozen LM head over the drafter's vocabulary (all of it unless reduced)
         self._head = (DraftHead(target, drafter.draft_vocab),)
@@ -88,14 +94,20 @@ class DrafterLoss(nn.Module):
 
     def forward(self, batch, num_anchors: int, generator: torch.Generator | None = None) -> StepOutput:
         features = batch.features
+        teacher = (batch.teacher_ids, batch.teacher_logprobs) if batch.teacher_ids is not None else None
         if self.online:  # the target runs here: causal, so right padding never reaches a real token
             pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None].expand_as(batch.input_ids)
             with torch.no_grad():
-                features = self.target(batch.input_ids, pos, None, None, self.layer_ids).features
+                out = self.target(batch.input_ids, pos, None, None, self.layer_ids)
+                features = out.features
+                if self.distill:
+                    ids, logp = self.target.topk_logprobs(out.hidden, ONLINE_TEACHER_TOPK)
+                    teacher = (ids.long(), logp)
         head = self.head
         return dflash_loss(self.drafter, self.target.embed, head, batch.input_ids, batch.loss_mask,
                            features, batch.lengths, num_anchors, self.lam, generator, self.use_flex,
-                           vocab_index=head.index if head.ids is not None else None)
+                           vocab_index=head.index if head.ids is not None else None,
+                           teacher=teacher, distill=self.distill)
 
 
 def enable_gradient_checkpointing(drafter: DFlashDrafter) -> DFlashDrafter:

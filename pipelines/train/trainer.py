@@ -94,7 +94,7 @@ def train_loop_per_worker(config: dict) -> None:
         drafter.set_draft_vocab(torch.tensor(config["draft_vocab"]))
     if tc.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
-    module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex)
+    module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill)
     runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
                          weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
 
@@ -462,6 +462,10 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
         except FileNotFoundError as e:
             raise ConfigError(f"{'train.features' if tc.features else 'features.output'}: {e}") from None
     layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
+    if tc.distill and not tc.online and not (manifest or {}).get("teacher_topk"):
+        raise ConfigError(f"train.distill: {tc.distill} needs the target's log-probs, which the feature run "
+                          f"{manifest_uri} does not store; make it with features.storage.teacher_topk > 0 "
+                          "(or train with train.online: true)")
 
     # ---- the drafter, and the run it may resume
     try:
