@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 #: the paper's decay per block size; other sizes interpolate as B/2.2 (close to these)
 PAPER_LAMBDA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -115,11 +114,12 @@ def teacher_law(ids: torch.Tensor, logprobs: torch.Tensor,
     return cols.clamp(min=0), p / p.sum(-1, keepdim=True).clamp(min=1e-12)
 
 
-def _distilled(ce: torch.Tensor, logits: torch.Tensor, sel: torch.Tensor, src: torch.Tensor,
+def _distilled(ce: torch.Tensor, logq: torch.Tensor, sel: torch.Tensor, src: torch.Tensor,
                teacher: tuple[torch.Tensor, torch.Tensor], vocab_index: torch.Tensor | None,
                alpha: float) -> torch.Tensor:
     """Mix the hard-label CE (M,) of the labelled positions with the CE against the
-    teacher's law at their source positions ``src`` (Bsz, N, B-1)."""
+    teacher's law at their source positions ``src`` (Bsz, N, B-1); ``logq`` (M, V_d) are
+    the drafter's log-probabilities there."""
     t_ids, t_logp = teacher
     Bsz, N, D = src.shape
     K = t_ids.shape[-1]
@@ -127,7 +127,7 @@ def _distilled(ce: torch.Tensor, logits: torch.Tensor, sel: torch.Tensor, src: t
     ids = t_ids.gather(1, idx).view(Bsz, N, D, K)[sel]
     logp = t_logp.gather(1, idx).view(Bsz, N, D, K)[sel]
     cols, p = teacher_law(ids, logp, vocab_index)
-    soft = -(p * torch.log_softmax(logits.float(), -1).gather(1, cols)).sum(-1)
+    soft = -(p * logq.gather(1, cols)).sum(-1)
     return torch.where(p.sum(-1) > 0, (1 - alpha) * ce + alpha * soft, ce)
 
 
@@ -186,10 +186,11 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     if vocab_index is not None:
         labels = vocab_index[labels]
     w = loss_weights(Bk, lam, dev)[None, None].expand(Bsz, N, -1)[sel]
-    ce = F.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none") * (labels >= 0)
+    logq = torch.log_softmax(logits.float(), -1)  # once, for the label's CE and the teacher's
+    ce = -logq.gather(1, labels.clamp(min=0)[:, None])[:, 0] * (labels >= 0)
     if distill > 0 and teacher is not None:
         src = (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).clamp(max=T - 1)  # p - 1
-        ce = _distilled(ce, logits, sel, src, teacher, vocab_index, distill)
+        ce = _distilled(ce, logq, sel, src, teacher, vocab_index, distill)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
 
     with torch.no_grad():
