@@ -522,6 +522,8 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                     "server for live metrics", tracking_uri)
 
     layout = FeatureLayout.from_manifest(manifest).as_dict() if manifest is not None and not tc.online else None
+    if layout is not None and not tc.distill:
+        layout["teacher_topk"] = 0  # stored teacher log-probs the loss will not use are never decoded
     return _Plan(target=dataclasses.asdict(spec) | {"identity": target.identity}, drafter_config=cfg,
                  draft_vocab=drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None,
                  init_state=ray.put(init_state), datasets=datasets, layout=layout, train_rows=train_rows,
