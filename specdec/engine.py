@@ -341,14 +341,18 @@ class DFlashProposer:
         self.flush()
         B = len(engine.rows)
         dev = engine.anchors.device
-        block = torch.full((B, k + 1), self.mask_id, dtype=torch.long, device=dev)
+        # Draft the whole block the drafter was trained on, even when fewer tokens are
+        # verified: attention inside a block is bidirectional, so a shorter block (fewer
+        # masks) would give other, untrained drafts at the first offsets.
+        width = max(k + 1, self.drafter.config.block_size)
+        block = torch.full((B, width), self.mask_id, dtype=torch.long, device=dev)
         block[:, 0] = engine.anchors
-        pos = (self.base + self.lens)[:, None] + torch.arange(k + 1, device=dev)
+        pos = (self.base + self.lens)[:, None] + torch.arange(width, device=dev)
         past = kvcache.physical_len(self.cache)
-        mask = self.drafter.layer_masks(lambda w: kvcache.attention_mask(self.lens, past, k + 1, False, w))
+        mask = self.drafter.layer_masks(lambda w: kvcache.attention_mask(self.lens, past, width, False, w))
         ctx = [(layer.keys, layer.values) for layer in self.cache.layers]
         hidden = self.drafter(self.target.embed(block), pos, ctx, mask)
-        logits = self.head(hidden[:, 1:].to(self.target.dtype))
+        logits = self.head(hidden[:, 1: k + 1].to(self.target.dtype))
         params = [r.request.params for r in engine.rows]
         if all(p.greedy for p in params):
             return self.head.to_target(logits.argmax(-1)), None

@@ -131,6 +131,28 @@ def _distilled(ce: torch.Tensor, logq: torch.Tensor, sel: torch.Tensor, src: tor
     return torch.where(p.sum(-1) > 0, (1 - alpha) * ce + alpha * soft, ce)
 
 
+def block_hidden(drafter, embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
+                 features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                 use_flex: bool = False) -> torch.Tensor:
+    """The drafter's last hidden states (Bsz, N, B-1, H) at offsets 1..B-1 of the blocks
+    anchored at ``anchors`` (Bsz, N): what the engine computes when ``x_a`` is the pending
+    anchor and positions < a are committed, for all blocks of a sequence in one pass."""
+    cfg = drafter.config
+    Bk = cfg.block_size
+    Bsz, T = input_ids.shape
+    N = anchors.shape[1]
+    dev = input_ids.device
+    block_ids = torch.full((Bsz, N, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    block_pos = anchors[..., None] + torch.arange(Bk, device=dev)
+    ctx_kv = drafter.context_kv(features, torch.arange(T, device=dev)[None].expand(Bsz, -1))
+    build = block_mask_flex if use_flex else block_mask_dense
+    mask = drafter.layer_masks(lambda w: build(anchors, valid, T, Bk, w))
+    with torch.no_grad():
+        x = embed(block_ids.flatten(1))
+    return drafter(x, block_pos.flatten(1), ctx_kv, mask).view(Bsz, N, Bk, -1)[:, :, 1:]
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor
@@ -161,24 +183,13 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     proposed keep the plain CE). The label of position p is scored against the target's
     law after p - 1, the law verification compares with.
     """
-    cfg = drafter.config
-    Bk = cfg.block_size
+    Bk = drafter.config.block_size
     lam = lam or default_lambda(Bk)
     Bsz, T = input_ids.shape
     dev = input_ids.device
     blocks = sample_blocks(input_ids, loss_mask, lengths, Bk, num_anchors, generator)
     N = blocks.anchors.shape[1]
-
-    block_ids = torch.full((Bsz, N, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
-    block_ids[:, :, 0] = input_ids.gather(1, blocks.anchors)
-    block_pos = blocks.anchors[..., None] + torch.arange(Bk, device=dev)
-    ctx_pos = torch.arange(T, device=dev)[None].expand(Bsz, -1)
-    ctx_kv = drafter.context_kv(features, ctx_pos)
-    build = block_mask_flex if use_flex else block_mask_dense
-    mask = drafter.layer_masks(lambda w: build(blocks.anchors, blocks.valid, T, Bk, w))
-    with torch.no_grad():
-        x = embed(block_ids.flatten(1))
-    hidden = drafter(x, block_pos.flatten(1), ctx_kv, mask).view(Bsz, N, Bk, -1)[:, :, 1:]
+    hidden = block_hidden(drafter, embed, input_ids, features, blocks.anchors, blocks.valid, use_flex)
 
     sel = blocks.label_mask  # only positions with a real response label cost anything
     logits = logits_fn(hidden[sel])

@@ -2,10 +2,13 @@
 
 import math
 
+import pytest
 import torch
 
-from specdec.objective import (block_mask_dense, block_mask_flex, default_lambda, dflash_loss, loss_weights,
-                               sample_blocks)
+from specdec.draft_vocab import head_for
+from specdec.engine import DFlashProposer, Engine, Request
+from specdec.objective import (block_hidden, block_mask_dense, block_mask_flex, default_lambda, dflash_loss,
+                               loss_weights, sample_blocks)
 from specdec.tiny import random_drafter
 
 
@@ -94,6 +97,48 @@ def test_blocks_do_not_leak_across_each_other(tiny):
     out2 = d(x2, pos, d.context_kv(feats2, torch.arange(T)[None]), mask)
     torch.testing.assert_close(out[:, :4], out2[:, :4])
     assert not torch.allclose(out[:, 4:], out2[:, 4:])
+
+
+class RecordingProposer(DFlashProposer):
+    """The engine's drafter, noting each cycle's anchor position and drafts per request."""
+
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.seen: dict[int, list[tuple[int, list[int]]]] = {}
+
+    def propose(self, engine, k):
+        drafts, q = super().propose(engine, k)
+        for b, row in enumerate(engine.rows):
+            anchor = len(row.request.prompt) + len(row.tokens) - 1
+            self.seen.setdefault(id(row.request), []).append((anchor, drafts[b].tolist()))
+        return drafts, q
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_training_blocks_draft_what_the_engine_drafts(tiny, window):
+    """The objective scores exactly the drafts inference makes: for every cycle the engine
+    ran (a ragged batch of three prompts, sliding window or not), the training
+    forward anchored at that cycle's position, over the teacher-forced features of the
+    final sequence, proposes the same tokens."""
+    t = tiny("llama")
+    d = random_drafter(t, block_size=4, sliding_window=window)
+    prop = RecordingProposer(d, t)
+    reqs = [Request(p, 30, stop_ids=frozenset()) for p in ([1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 40, 41, 42])]
+    results = Engine(t, prop, block_size=4, seed=0).generate(reqs)
+    head = head_for(d, t)
+    checked = 0
+    for r in results:
+        seq = torch.tensor([r.request.prompt + r.tokens])
+        T = seq.shape[1]
+        feats = t(seq, torch.arange(T)[None], None, None, list(d.config.target_layer_ids)).features
+        cycles = prop.seen[id(r.request)]
+        anchors = torch.tensor([[a for a, _ in cycles]])
+        hidden = block_hidden(d, t.embed, seq, feats, anchors, torch.ones_like(anchors, dtype=torch.bool))
+        drafts = head.to_target(head(hidden).argmax(-1))[0]  # (N, B-1)
+        for (a, want), got in zip(cycles, drafts):
+            assert got[: len(want)].tolist() == want, f"anchor {a}"
+            checked += 1
+    assert checked > 30
 
 
 def test_training_lowers_loss_and_raises_tau(tiny):
