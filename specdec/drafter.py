@@ -293,10 +293,12 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.dropout = 0.0  # residual dropout while training (DFlashDrafter.set_dropout); never saved
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        p = self.dropout if self.training else 0.0
+        x = x + F.dropout(self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask), p)
+        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p)
 
 
 class DFlashDrafter(nn.Module):
@@ -325,6 +327,14 @@ class DFlashDrafter(nn.Module):
             self.config.extra.pop("draft_vocab_size", None)
         else:
             self.config.extra["draft_vocab_size"] = int(ids.numel())
+
+    def set_dropout(self, p: float) -> None:
+        """Residual dropout ``p`` on every draft layer's attention and MLP outputs, in
+        training mode only (a regulariser for small data; not part of the checkpoint)."""
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {p!r}")
+        for layer in self.layers:
+            layer.dropout = float(p)
 
     @property
     def dtype(self) -> torch.dtype:

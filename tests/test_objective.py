@@ -255,3 +255,23 @@ def test_distill_follows_the_teacher_law_and_the_draft_vocabulary():
              * logq.gather(1, t_ids[b_of, src])).sum(-1)
     w = loss_weights(4, default_lambda(4))[None, None].expand(tok.shape[0], N, -1)[blocks.label_mask]
     assert torch.allclose(got.loss, (w * soft).sum() / w.sum(), atol=1e-5)
+
+
+def test_dropout_only_while_training(tiny):
+    """Residual dropout changes training forwards, never evaluation ones (nor the weights)."""
+    t = tiny("llama")
+    d = random_drafter(t, block_size=4).float()
+    x, pos = torch.randn(1, 4, d.config.hidden_size), torch.arange(4)[None] + 6
+    ctx = d.context_kv(torch.randn(1, 6, d.config.num_features * d.config.hidden_size), torch.arange(6)[None])
+    mask = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    d.eval()
+    plain = d(x, pos, ctx, mask)
+    d.set_dropout(0.3)
+    torch.testing.assert_close(d(x, pos, ctx, mask), plain)  # eval mode: no dropout
+    d.train()
+    a, b = d(x, pos, ctx, mask), d(x, pos, ctx, mask)
+    assert not torch.allclose(a, b) and not torch.allclose(a, plain)
+    d.set_dropout(0.0)
+    torch.testing.assert_close(d(x, pos, ctx, mask), plain)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        d.set_dropout(1.0)

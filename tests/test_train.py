@@ -114,6 +114,7 @@ def test_recipe_errors_name_the_field():
         ({"train": {"run_name": "r", "zero_stage": 1}}, r"^train\.zero_stage: expected one of 2, 3"),
         ({"train": {"run_name": "r", "lr": -1}}, r"^train\.lr: expected number > 0"),
         ({"train": {"run_name": "r", "lrr": 1}}, r"^train\.lrr: unknown key"),
+        ({"train": {"run_name": "r", "dropout": 1.0}}, r"^train\.dropout: expected number in \[0, 1\), got 1\.0"),
         ({"train": {"run_name": "bad name!"}}, r"^train\.run_name: expected letters"),
         ({"train": {"run_name": "r", "sequences": "x.jsonl"}},
          r"^train\.sequences: token sequences need train\.online"),
@@ -353,9 +354,9 @@ def test_online_features_from_token_sequences(cluster, work, target_dir, feature
             for r in pq.read_table(f, columns=["id", "input_ids", "prompt_tokens"]).to_pylist()]
     seq = work / "sequences.jsonl"
     seq.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # online: any layers; distillation from the target's law computed in the worker
+    # online: any layers; distillation from the target's law computed in the worker; dropout
     res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5,
-                     distill=0.5), "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")
+                     distill=0.5, dropout=0.1), "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")
     assert res.steps == 10 and res.history[-1]["holdout_loss"] < res.history[0]["holdout_loss"]
     cfg = json.loads((Path(res.drafter_dir) / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["dflash_ray"]["online_features"] is True

@@ -83,6 +83,8 @@ class TrainSection:
     min_lr_ratio: float = option(0.0, check=FRACTION)  # cosine ends at lr * min_lr_ratio
     warmup: float = option(0.04, check=FRACTION)  # share of the schedule spent warming up linearly
     weight_decay: float = option(0.0, check=NON_NEGATIVE)  # on matrices only (never norms)
+    # residual dropout on the draft layers' attention and MLP outputs while training (small data)
+    dropout: float = option(0.0, check=(lambda v: 0 <= v < 1, "in [0, 1)"))
     grad_clip: float = option(1.0, check=NON_NEGATIVE)  # 0: off
     seed: int = 0
     # ---- evaluation, checkpoints, logging

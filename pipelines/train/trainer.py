@@ -92,6 +92,7 @@ def train_loop_per_worker(config: dict) -> None:
     drafter.load_state_dict(ray.get(config["init_state"]))  # identical start on every worker
     if config.get("draft_vocab") is not None:
         drafter.set_draft_vocab(torch.tensor(config["draft_vocab"]))
+    drafter.set_dropout(tc.dropout)
     if tc.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
     module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill)
