@@ -460,10 +460,13 @@ class Demo:
         logging.getLogger("specdec.prompts").setLevel(logging.ERROR)  # the packaged file's truncation note
         prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=c.chat_requests,
                                                     max_prompt_chars=1500, min_prompt_chars=20)]
-        for cl in clients.values():  # warm-up: first-request costs stay out of the numbers
-            cl.chat.completions.create(model=model, messages=prompts[0], max_tokens=4, temperature=0)
-        time.sleep(2.5)  # replicas push their metrics every second
-        before = {app: app_metrics(self.url + route) for app, route in APPS.items()}
+        start = {app: app_metrics(self.url + route) for app, route in APPS.items()}
+        warm = {}
+        for app, cl in clients.items():  # warm-up: first-request costs stay out of the numbers
+            r = cl.chat.completions.create(model=model, messages=prompts[0], max_tokens=4, temperature=0)
+            warm[app] = r.usage.completion_tokens
+        before = {app: settled_metrics(self.url + route, start[app]["tokens"] + warm[app])
+                  for app, route in APPS.items()}
         rows, last = [], time.monotonic()
         for i, messages in enumerate(prompts):
             row = {"messages": messages}
@@ -480,8 +483,8 @@ class Demo:
                 ar = sum(x["ar"]["tokens"] for x in rows) / sum(x["ar"]["seconds"] for x in rows)
                 say(f"  chat: {i + 1}/{len(prompts)} requests · speculative {sp:.1f} tok/s, AR {ar:.1f} tok/s")
                 last = time.monotonic()
-        time.sleep(2.5)
-        after = {app: app_metrics(self.url + route) for app, route in APPS.items()}
+        after = {app: settled_metrics(self.url + route, before[app]["tokens"] + sum(r[app]["tokens"] for r in rows))
+                 for app, route in APPS.items()}
         self.times["chat"] = round(time.monotonic() - t0, 1)
         return {"model": model, "rows": rows, "metrics": {k: _delta(before[k], after[k]) for k in clients}}
 
@@ -593,6 +596,20 @@ def app_metrics(url: str) -> dict:
     return {k: t.get(name, 0.0) for k, name in _TOTALS.items()} | {
         "draft_tokens": t["draft_tokens_total"], "accepted_draft_tokens": t["accepted_draft_tokens_total"],
         "drafter": t["drafter_info"]}
+
+
+def settled_metrics(url: str, tokens: float, timeout: float = 60.0) -> dict:
+    """``app_metrics`` once the app's totals count at least ``tokens`` generated tokens:
+    replicas push their metrics every ``metrics_push_s``, and a loaded machine can take
+    longer than that, so a fixed sleep would read totals that miss the last requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = app_metrics(url)
+        if m["tokens"] >= tokens or time.monotonic() > deadline:
+            if m["tokens"] < tokens:
+                say(f"  warning: {url}/metrics still counts {m['tokens']:.0f} of {tokens:.0f} tokens after {timeout:.0f} s")
+            return m
+        time.sleep(0.5)
 
 
 def _delta(a: dict, b: dict) -> dict:

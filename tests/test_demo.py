@@ -112,7 +112,8 @@ class TestDemo:
             res = s["results"][app]
             assert res["tokens"] == 2 * 16 and res["tokens_per_s"] > 0
             assert set(res["ms_per_token"]) == {"prefill", "draft", "verify", "overhead"}
-        assert s["results"]["speedup"] > 0 and s["results"]["speculative"]["tau"] > 1.3  # it speculated
+        spec = s["results"]["speculative"]
+        assert s["results"]["speedup"] > 0 and (spec["tau"] or 0) > 1.3, (spec, s["serving"])  # it speculated
         assert s["results"]["ar"]["cycles"] > 0 and not s["results"]["ar"]["draft_tokens"]
         assert (demo["out"] / "summary.png").stat().st_size > 10_000
         assert s["stack"]["mlflow"].startswith("http://127.0.0.1:")
