@@ -141,16 +141,19 @@ class LinearCost:
 
 @dataclass
 class CostModel:
-    """Cycle time = verify(rows * k) + [k > 1] draft(rows * k), both measured online."""
+    """Cycle time = verify(rows * k) + [k > 1] draft(rows * max(k, draft_width)), both
+    measured online. ``draft_width``: the drafter denoises its whole trained block whatever k
+    is verified (``DFlashProposer.propose``), so its pass costs the same for every k <= B."""
 
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=lambda: LinearCost(slope_ratio=0.1))
+    draft_width: int = 1
 
     def observe(self, rows: int, k: int, draft_s: float | None, verify_s: float) -> None:
         """``draft_s`` None: no drafter pass ran (a lookup-only step), nothing to learn about it."""
         self.verify.observe(rows * k, verify_s)
         if k > 1 and draft_s is not None:
-            self.draft.observe(rows * k, draft_s)
+            self.draft.observe(rows * max(k, self.draft_width), draft_s)
 
     def cycle_seconds(self, rows: int, k: int, drafter: bool = True) -> float:
         """Predicted seconds of a step of block k over ``rows`` rows (``drafter``: with a drafter pass)."""
@@ -158,7 +161,8 @@ class CostModel:
         v = self.verify.predict(n) if self.verify.fitted else 1.0 + VERIFY_SLOPE_PRIOR * n
         if k == 1 or not drafter:
             return v
-        d = self.draft.predict(n) if self.draft.fitted else DRAFT_FRACTION_PRIOR * v
+        nd = rows * max(k, self.draft_width)
+        d = self.draft.predict(nd) if self.draft.fitted else DRAFT_FRACTION_PRIOR * v
         return v + d
 
 
@@ -205,6 +209,7 @@ class BlockSizeController:
         self._probing = False
         self.mode = mode
         self.cost = cost or CostModel()
+        self.cost.draft_width = self.max_block  # this drafter's pass always spans its block
         self.acceptance = AcceptanceModel(max_drafts=max(self.max_block - 1, 1))
         self.margin = margin
         self.probe_budget = probe_budget

@@ -87,17 +87,29 @@ def test_controller_in_simulation_never_loses_to_ar_and_finds_the_best_block(acc
                 a += 1
             acc.append(a)
         v = verify(rows * k) * (1 + 0.05 * rnd.gauss(0, 1))
-        d = draft(rows * k) * (1 + 0.05 * rnd.gauss(0, 1)) if k > 1 else 0.0
+        d = draft(rows * BLOCK) * (1 + 0.05 * rnd.gauss(0, 1)) if k > 1 else 0.0  # the whole block, as the engine
         ctl.observe(rows, k, acc, d, v)
         tokens += sum(a + 1 for a in acc)
         seconds += v + d
     ar = rows / verify(rows)
     surv = [accept ** j for j in range(1, BLOCK)]
-    best = max(rows * adaptive.expected_tau(surv, k) / (verify(rows * k) + (draft(rows * k) if k > 1 else 0))
+    best = max(rows * adaptive.expected_tau(surv, k) / (verify(rows * k) + (draft(rows * BLOCK) if k > 1 else 0))
                for k in range(1, BLOCK + 1))
     realised = tokens / seconds
     assert realised >= 0.98 * ar  # never slower than AR beyond probe noise (~1%)
     assert realised >= 0.95 * best
+
+
+def test_draft_cost_is_the_whole_blocks_whatever_k_is_verified():
+    """The drafter always denoises its B positions: draft seconds that depend on rows only
+    are predicted as such at every k (a fit over rows * k would call k=2 cheap, k=B dear)."""
+    ctl = BlockSizeController(8)
+    for k in (2, 3, 5, 8) * 20:
+        for rows in (1, 4):
+            ctl.observe(rows, k, [0] * rows, 0.01 + 0.002 * rows * 8, 0.05 + 0.003 * rows * k)
+    draft = [ctl.cost.cycle_seconds(1, k) - ctl.cost.cycle_seconds(1, k, drafter=False) for k in (2, 8)]
+    assert draft[0] == pytest.approx(draft[1], rel=1e-9) and draft[0] == pytest.approx(0.026, rel=0.1)  # 0.1: ridge
+    assert ctl.cost.cycle_seconds(4, 2) - ctl.cost.cycle_seconds(4, 2, drafter=False) == pytest.approx(0.074, rel=0.1)
 
 
 def test_controller_modes():
