@@ -2,7 +2,7 @@
 if it wins: measured side by side with the current reference (or with the target alone
 when there is none), greedy, on held-out ShareGPT prompts; the promotion rule decides.
 
-    python jobs/publish_reference.py --drafter runs/train/smollm2-135m-ref/drafter
+    python jobs/publish_reference.py --drafter runs/train/smollm2-135m-b4/drafter --block-size 4
 
 Exit codes: 0 published, 1 refused (the reason is printed), 2 usage errors.
 """

@@ -17,8 +17,8 @@ from specdec.lookup import HybridProposer
 pytestmark = pytest.mark.slow
 
 #: engine tau on the 4 held-out prompts below at 48 tokens, greedy, at the published block
-#: size: 1.220 when published (a random drafter gets ~1.0)
-TAU_FLOOR = 1.17
+#: size: 1.318 when published (the B=8 drafter before it: 1.220; a random drafter gets ~1.0)
+TAU_FLOOR = 1.27
 
 
 @pytest.fixture(scope="module")
