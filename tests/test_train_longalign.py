@@ -53,7 +53,7 @@ def test_longalign_recipe_matches_the_reference_drafter():
     recipe = load_train_recipe(REPO / "configs" / "smollm2-135m-longalign.yaml")
     ref = json.loads((REPO / "specdec" / "drafters" / "smollm2-135m" / "config.json").read_text())
     d, t = recipe.drafter, recipe.train
-    # the shape it is published at (init_from requires it; it was trained at B=8)
+    # the shape it is published at (init_from requires it)
     assert d.num_layers == ref["num_hidden_layers"] and d.block_size == ref["block_size"] == 4
     assert d.layer_ids == ref["dflash_config"]["target_layer_ids"]
     assert d.draft_vocab_size == 8192 and d.init_from == "models:/dflash-smollm2-135m@champion"

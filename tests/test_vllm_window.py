@@ -19,7 +19,7 @@ from specdec.target import load_target, resolve_target_path
 
 pytest.importorskip("vllm")
 
-WINDOW, BLOCK, MAX_NEW = 12, 4, 32
+WINDOW, BLOCK, MAX_NEW = 12, 4, 48
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     full.set_draft_vocab(None)  # vLLM drafts over the full vocabulary
     out = save_drafter(with_window(full, WINDOW), tmp_path_factory.mktemp("vllm") / "drafter", dtype=torch.float16)
     windowed = load_drafter(out, target=target)  # the fp16 weights vLLM runs, read back
-    prompts = [target.encode_chat(p.messages) for p in load_prompts("sharegpt", split="holdout", limit=3)]
+    prompts = [target.encode_chat(p.messages) for p in load_prompts("sharegpt", split="holdout", limit=6)]
     engine = VLLMEngine(resolve_target_path(None), out, block_size=BLOCK, max_model_len=2048)
     yield target, full, windowed, prompts, engine
     engine.close()
@@ -54,8 +54,10 @@ def test_vllm_applies_our_window(setup):
         theirs.append(sorted(accepted))
     near, far = _l1(ours(windowed), theirs), _l1(ours(full.to(windowed.dtype)), theirs)
     print(f"accepted-length histogram L1 vs vLLM: windowed {near}, full attention {far}")
-    # equal up to a near-tie flipped by kernel rounding (measured: 0 over 6 prompts x 48 tokens)
-    assert near <= 2 and far > near + 2  # and the window changed the drafts
+    # equal up to near-ties flipped by kernel rounding: with the B=4 reference, 5 over these 6
+    # prompts x 48 tokens, as many as vLLM and our engine differ by with full attention on both
+    # sides; the window itself moves the histograms by 29
+    assert near <= 8 and far >= near + 12  # and the window changed the drafts
 
 
 def _l1(a: list[list[int]], b: list[list[int]]) -> int:
