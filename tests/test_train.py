@@ -119,6 +119,8 @@ def test_recipe_errors_name_the_field():
         ({"train": {"run_name": "r", "sequences": "x.jsonl"}},
          r"^train\.sequences: token sequences need train\.online"),
         ({"train": {}}, r"^train\.run_name: required"),
+        ({"train": {"run_name": "r", "features": []}}, r"^train\.features: expected a feature run \(string\) or"),
+        ({"train": {"run_name": "r", "features": ["a", "a"]}}, r"^train\.features: a feature run is listed twice"),
         ({"drafter": {"block_size": 1}}, r"^drafter\.block_size: expected int >= 2, got 1"),
         ({"drafter": {"num_layers": "two"}}, r"^drafter\.num_layers: expected int, got 'two'"),
         ({"registry": {"register": "yes"}}, r"^registry\.register: expected true or false"),
@@ -129,6 +131,11 @@ def test_recipe_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"^train: section missing"):
         parse_recipe({"features": {"output": "x"}})
 
+    two = parse_recipe({**base, "train": {"run_name": "r", "features": ["a", "b"]}})
+    assert two.feature_uris == ["a", "b"] and two.features_uri == "a,b"
+    one = parse_recipe({**base, "train": {"run_name": "r", "features": ["a"]}})
+    assert one.train.features == "a" and one.config_hash() == parse_recipe(
+        {**base, "train": {"run_name": "r", "features": "a"}}).config_hash()  # same data, same lineage
     elastic = parse_recipe({**base, "train": {"run_name": "r", "num_workers": [1, 4]}})
     assert elastic.train.num_workers == (1, 4) and elastic.model_name == "dflash-smollm2-135m"
     from ray.train import ScalingConfig
@@ -297,6 +304,30 @@ def test_fine_tuning_starts_from_the_parent_drafter(ddp_run, work, target_dir):
         fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "drafter.block_size=6", "train.run_name=ft2")
     with pytest.raises(ConfigError, match=r"^drafter\.init_from: .* is not a drafter directory"):
         fit(path, f"drafter.init_from={work}", "train.run_name=ft3")
+
+
+@pytest.mark.slow
+def test_several_feature_runs_train_as_one(cluster, work, target_dir, features):
+    """train.features as a list: the runs' rows are read as one training set (an epoch
+    covers both), with both runs in the lineage; runs of another layout are refused."""
+    import hashlib
+
+    second = work / "features-second"
+    shutil.copytree(features, second)
+    res = fit(recipe(work, target_dir, "two-runs", epochs=1, features=[features, str(second)]),
+              "registry.register=false")
+    assert res.samples == 2 * train_rows(features) and res.steps == -(-2 * train_rows(features) // BATCH)
+    shas = [hashlib.sha256((Path(f) / "manifest.json").read_bytes()).hexdigest() for f in (features, second)]
+    assert res.extra["features_uri"] == f"{features},{second}"
+    assert res.extra["features_manifest_sha256"] == hashlib.sha256(",".join(shas).encode()).hexdigest()
+
+    other = work / "features-bf16"
+    shutil.copytree(features, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match=r"^train\.features: the feature run .*features-bf16 stores "
+                                          r"FeatureLayout\(dtype='bfloat16'.* runs trained on together need"):
+        fit(recipe(work, target_dir, "bad-runs", max_steps=1, features=[features, str(other)]))
 
 
 # ---------------------------------------------------------------------------- DeepSpeed

@@ -52,7 +52,9 @@ class TrainSection:
     storage_path: str = "runs/train"  # local directory or s3://bucket/prefix (checkpoints, export)
     storage_options: dict = option(factory=dict)  # s3: endpoint_url, region, key, secret (else AWS_* variables)
     # ---- data
-    features: str | None = None  # a committed feature run; null: features.output
+    # a committed feature run, or a list of runs of the same target and layers read as one
+    # training set (e.g. a second run over new prompts, features.prompts.skip); null: features.output
+    features: Any = None
     online: bool = False  # compute features on the workers (the target runs there) instead of reading them
     sequences: str | None = None  # online only: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
     # a LongAlign JSONL ({"messages": [...]} per line): tokenized with the target's chat template
@@ -107,6 +109,7 @@ class TrainSection:
 
     def __post_init__(self):
         self.num_workers = _workers(self.num_workers)
+        self.features = _feature_runs(self.features)
         if self.longalign is not None:
             for other in ("sequences", "features"):
                 if getattr(self, other) is not None:
@@ -126,6 +129,18 @@ class TrainSection:
     @property
     def max_workers(self) -> int:
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+
+def _feature_runs(value) -> str | list[str] | None:
+    """``train.features``: null, one run, or a list of distinct runs (one run in a list is that run)."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        if len(set(value)) != len(value):
+            raise ConfigError(f"train.features: a feature run is listed twice in {value!r}; its rows would count "
+                              "double")
+        return value[0] if len(value) == 1 else list(value)
+    raise ConfigError(f"train.features: expected a feature run (string) or a non-empty list of them, got {value!r}")
 
 
 def _workers(value) -> int | tuple[int, int]:
@@ -167,8 +182,15 @@ class TrainRecipe:
         return self.registry.model_name or f"dflash-{self.target_slug}"
 
     @property
+    def feature_uris(self) -> list[str]:
+        """The feature runs training reads, in order."""
+        runs = self.train.features or self.features.output
+        return [runs] if isinstance(runs, str) else list(runs)
+
+    @property
     def features_uri(self) -> str:
-        return self.train.features or self.features.output
+        """The feature run(s) as one string (lineage, tags): comma-separated when several."""
+        return ",".join(self.feature_uris)
 
     @property
     def version_tags(self) -> dict[str, str]:

@@ -73,18 +73,22 @@ def _ts(s: str) -> float:
 
 
 def data_cost(features_uri: str | None) -> dict:
-    """What the feature run cost and holds (zeros when it cannot be read, e.g. online runs)."""
+    """What the feature run(s) cost and hold (a lineage's ``features_uri`` is comma-separated
+    when several runs were trained on together); zeros when one cannot be read, e.g. online runs."""
     out = {"features": features_uri, "data_hours": 0.0, "samples": None, "response_tokens": None}
     if not features_uri or "://" in features_uri:
         return out
-    root = Path(features_uri)
-    try:
-        manifest = json.loads((root / "manifest.json").read_text())
-        run = json.loads((root / "run.json").read_text())
-    except (OSError, ValueError):
-        return out
-    out.update(data_hours=max(0.0, _ts(manifest["created_at"]) - _ts(run["started_at"])) / 3600,
-               samples=manifest.get("num_samples"), response_tokens=manifest.get("num_response_tokens"))
+    hours = samples = tokens = 0
+    for root in map(Path, features_uri.split(",")):
+        try:
+            manifest = json.loads((root / "manifest.json").read_text())
+            run = json.loads((root / "run.json").read_text())
+        except (OSError, ValueError):
+            return out
+        hours += max(0.0, _ts(manifest["created_at"]) - _ts(run["started_at"])) / 3600
+        samples += manifest.get("num_samples") or 0
+        tokens += manifest.get("num_response_tokens") or 0
+    out.update(data_hours=hours, samples=samples, response_tokens=tokens)
     return out
 
 

@@ -446,7 +446,7 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     tc, dc, spec = recipe.train, recipe.drafter, recipe.features.target
     target = load_target(spec.model, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
     tok_hash = tokenizer_fingerprint(target.tokenizer)["hash"] if target.tokenizer is not None else None
-    options = storage.resolve_options(recipe.features_uri, recipe.features.storage.options)
+    options = storage.resolve_options(recipe.feature_uris[0], recipe.features.storage.options)
     run_uri = storage.join(storage.absolute_uri(tc.storage_path), tc.run_name)
     tracking_uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
 
@@ -455,18 +455,24 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     sequences = tc.sequences or longalign.get("uri")
 
     # ---- the feature run (absent only for online training from token sequences)
-    manifest = manifest_uri = None
+    manifests = {}  # uri -> manifest, in the recipe's order; the first one fixes layers and layout
     if not (tc.online and sequences):
-        manifest_uri = storage.absolute_uri(recipe.features_uri)
-        try:
-            manifest = load_manifest(manifest_uri, options)
-        except FileNotFoundError as e:
-            raise ConfigError(f"{'train.features' if tc.features else 'features.output'}: {e}") from None
+        for uri in map(storage.absolute_uri, recipe.feature_uris):
+            try:
+                manifests[uri] = load_manifest(uri, options)
+            except FileNotFoundError as e:
+                raise ConfigError(f"{'train.features' if tc.features else 'features.output'}: {e}") from None
+    manifest_uri, manifest = next(iter(manifests.items()), (None, None))
     layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
-    if tc.distill and not tc.online and not (manifest or {}).get("teacher_topk"):
-        raise ConfigError(f"train.distill: {tc.distill} needs the target's log-probs, which the feature run "
-                          f"{manifest_uri} does not store; make it with features.storage.teacher_topk > 0 "
-                          "(or train with train.online: true)")
+    for uri, m in manifests.items():
+        if not tc.online and FeatureLayout.from_manifest(m) != FeatureLayout.from_manifest(manifest):
+            raise ConfigError(f"train.features: the feature run {uri} stores {FeatureLayout.from_manifest(m)}, "
+                              f"but {manifest_uri} stores {FeatureLayout.from_manifest(manifest)}; runs trained "
+                              "on together need the same layers and storage layout")
+        if tc.distill and not tc.online and not m.get("teacher_topk"):
+            raise ConfigError(f"train.distill: {tc.distill} needs the target's log-probs, which the feature run "
+                              f"{uri} does not store; make it with features.storage.teacher_topk > 0 "
+                              "(or train with train.online: true)")
 
     # ---- the drafter, and the run it may resume
     try:
@@ -489,20 +495,20 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
 
     # ---- data
-    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifest, manifest_uri, options, sequences)
+    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifests, options, sequences)
     inherited = drafter.draft_vocab
     if dc.draft_vocab_size and inherited is not None and inherited.numel() == dc.draft_vocab_size:
         log.info("draft vocabulary: the parent's %d tokens", inherited.numel())
     elif dc.draft_vocab_size:
-        drafter.set_draft_vocab(_draft_vocab(recipe, target, manifest_uri, options, datasets["train"]))
+        drafter.set_draft_vocab(_draft_vocab(recipe, target, list(manifests), options, datasets["train"]))
     else:
         drafter.set_draft_vocab(None)
 
     # ---- MLflow (the run of a resumed training continues)
     lineage = {
         "target_model": spec.model, "target_identity": target.identity, "tokenizer_hash": tok_hash,
-        "features_uri": manifest_uri or storage.absolute_uri(sequences),
-        "features_manifest_sha256": manifest_sha256(manifest_uri, options) if manifest_uri else None,
+        "features_uri": ",".join(manifests) or storage.absolute_uri(sequences),
+        "features_manifest_sha256": _manifests_sha256(list(manifests), options) if manifests else None,
         "config_sha256": recipe.config_hash(), "git_commit": registry.git_commit(), "run_name": tc.run_name,
         "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
         "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online, **parent,
@@ -636,7 +642,13 @@ def _hashed_order(row: dict) -> bytes:
     return hashlib.sha256(row["id"].encode()).digest()
 
 
-def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options: dict, train_ds) -> torch.Tensor:
+def _manifests_sha256(uris: list[str], options: dict) -> str:
+    """One run: its manifest's sha256; several: the sha256 of theirs, in order."""
+    shas = [manifest_sha256(uri, options) for uri in uris]
+    return shas[0] if len(shas) == 1 else hashlib.sha256(",".join(shas).encode()).hexdigest()
+
+
+def _draft_vocab(recipe: TrainRecipe, target, manifest_uris: list[str], options: dict, train_ds) -> torch.Tensor:
     """The ``drafter.draft_vocab_size`` most frequent response tokens of the training rows
     (held-out rows never count), plus the target's stop tokens."""
     from pipelines.features import response_token_counts
@@ -646,9 +658,9 @@ def _draft_vocab(recipe: TrainRecipe, target, manifest_uri: str | None, options:
     if size > target.vocab_size:
         raise ConfigError(f"drafter.draft_vocab_size: {size} exceeds the target vocabulary ({target.vocab_size})")
     tc = recipe.train
-    if manifest_uri is not None:  # stored features: read just the token columns of each shard
+    if manifest_uris:  # stored features: read just the token columns of each shard
         holdout = 0.0 if tc.holdout else tc.holdout_fraction
-        counts = response_token_counts(manifest_uri, options, target.vocab_size, holdout)
+        counts = sum(response_token_counts(uri, options, target.vocab_size, holdout) for uri in manifest_uris)
     else:
         rows = train_ds.select_columns(["input_ids", "loss_mask"]).iter_rows()
         counts = count_tokens(((r["input_ids"], r["loss_mask"]) for r in rows), target.vocab_size)
@@ -677,10 +689,10 @@ def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri:
     return layer_ids
 
 
-def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manifest_uri, options, sequences=None):
+def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict, options, sequences=None):
     """({"train": streamed rows, "holdout": materialised rows}, training rows estimate).
     Feature runs are checked against the target (identity, tokenizer; layers and width
-    unless the features are computed online)."""
+    unless the features are computed online); several runs are read as one."""
     from pipelines.features import read_features
 
     tc = recipe.train
@@ -697,7 +709,11 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manife
             return read_sequences(uri, tc.storage_options or options, field_name)
         return feature_run(uri)
 
-    train_ds = source(sequences or manifest_uri, "train.longalign" if tc.longalign else "train.sequences")
+    if tc.online and sequences:
+        train_ds = source(sequences, "train.longalign" if tc.longalign else "train.sequences")
+    else:
+        first, *rest = [feature_run(uri) for uri in manifests]
+        train_ds = first.union(*rest) if rest else first
     if tc.holdout:
         holdout_ds = source(tc.holdout, "train.holdout")
     elif tc.holdout_fraction > 0:
@@ -713,8 +729,9 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifest, manife
     if holdout_ds.count() == 0:
         raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
                           "train.holdout")
-    if manifest is not None and not (tc.online and sequences):
-        train_rows = int(manifest["num_samples"] * (1 if tc.holdout else 1 - tc.holdout_fraction))
+    if manifests and not (tc.online and sequences):
+        samples = sum(m["num_samples"] for m in manifests.values())
+        train_rows = int(samples * (1 if tc.holdout else 1 - tc.holdout_fraction))
     else:
         train_rows = train_ds.count()
     return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows)
