@@ -197,4 +197,10 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     assert [r["step"] for r in best["rows"]] == [20] and best["rows"][0]["train_hours"] == pytest.approx(1.0)
     with pytest.raises(RecipeBenchError, match="training run not found"):
         Variant.parse(f"x={tmp_path / 'nope'}")
+    from pipelines.train.recipe_bench import data_cost
+
+    shutil.copytree(feats, tmp_path / "features2")  # two runs trained on together: their costs add up
+    two = data_cost(f"{feats},{tmp_path / 'features2'}")
+    assert (two["data_hours"], two["samples"], two["response_tokens"]) == (pytest.approx(3.0), 14, 1400)
+    assert data_cost(f"{feats},{tmp_path / 'nope'}")["samples"] is None  # one unreadable run: unknown, not half
 
