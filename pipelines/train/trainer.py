@@ -464,11 +464,12 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                 raise ConfigError(f"{'train.features' if tc.features else 'features.output'}: {e}") from None
     manifest_uri, manifest = next(iter(manifests.items()), (None, None))
     layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
+    layout = FeatureLayout.from_manifest(manifest) if manifest is not None and not tc.online else None
     for uri, m in manifests.items():
-        if not tc.online and FeatureLayout.from_manifest(m) != FeatureLayout.from_manifest(manifest):
+        if layout is not None and FeatureLayout.from_manifest(m) != layout:
             raise ConfigError(f"train.features: the feature run {uri} stores {FeatureLayout.from_manifest(m)}, "
-                              f"but {manifest_uri} stores {FeatureLayout.from_manifest(manifest)}; runs trained "
-                              "on together need the same layers and storage layout")
+                              f"but {manifest_uri} stores {layout}; runs trained on together need the same "
+                              "layers and storage layout")
         if tc.distill and not tc.online and not m.get("teacher_topk"):
             raise ConfigError(f"train.distill: {tc.distill} needs the target's log-probs, which the feature run "
                               f"{uri} does not store; make it with features.storage.teacher_topk > 0 "
@@ -528,12 +529,12 @@ def _prepare(recipe: TrainRecipe) -> _Plan:
                     "live metrics (the driver logs the evaluations at the end); set MLFLOW_TRACKING_URI to a "
                     "server for live metrics", tracking_uri)
 
-    layout = FeatureLayout.from_manifest(manifest).as_dict() if manifest is not None and not tc.online else None
-    if layout is not None and not tc.distill:
-        layout["teacher_topk"] = 0  # stored teacher log-probs the loss will not use are never decoded
+    collate_layout = layout.as_dict() if layout is not None else None
+    if collate_layout is not None and not tc.distill:
+        collate_layout["teacher_topk"] = 0  # stored teacher log-probs the loss will not use are never decoded
     return _Plan(target=dataclasses.asdict(spec) | {"identity": target.identity}, drafter_config=cfg,
                  draft_vocab=drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None,
-                 init_state=ray.put(init_state), datasets=datasets, layout=layout, train_rows=train_rows,
+                 init_state=ray.put(init_state), datasets=datasets, layout=collate_layout, train_rows=train_rows,
                  lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
                  storage_options=tc.storage_options, resume=resume, mlflow_live=mlflow_live)
 
