@@ -159,7 +159,8 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     tau and exactness from the real engine, one row per kept checkpoint, table + JSON + PNG."""
     import shutil
 
-    from pipelines.train.recipe_bench import RecipeBenchConfig, RecipeBenchError, Variant, format_table, run_recipe_bench
+    from pipelines.train.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, data_cost, format_table,
+                                              run_recipe_bench)
     from pipelines.train.recipe_bench import write as write_recipe
 
     feats = tmp_path / "features"
@@ -197,8 +198,6 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     assert [r["step"] for r in best["rows"]] == [20] and best["rows"][0]["train_hours"] == pytest.approx(1.0)
     with pytest.raises(RecipeBenchError, match="training run not found"):
         Variant.parse(f"x={tmp_path / 'nope'}")
-    from pipelines.train.recipe_bench import data_cost
-
     shutil.copytree(feats, tmp_path / "features2")  # two runs trained on together: their costs add up
     two = data_cost(f"{feats},{tmp_path / 'features2'}")
     assert (two["data_hours"], two["samples"], two["response_tokens"]) == (pytest.approx(3.0), 14, 1400)
