@@ -149,6 +149,48 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny):
     assert len(calls) == len(ckpt.layers)
 
 
+# ---------------------------------------------------------------------------- feature cache
+@pytest.mark.parametrize("distill", [0.0, 0.5])
+def test_feature_cache_hit_trains_like_the_target_pass(tmp_path, tiny, distill):
+    from pipelines.train.data import Batch
+    from pipelines.train.feature_cache import FeatureCache
+    from pipelines.train.runner import DrafterLoss
+    from specdec.drafter import DFlashDrafter, drafter_config_for_target
+
+    target = tiny("llama")
+    drafter = DFlashDrafter(drafter_config_for_target(target, num_hidden_layers=1, block_size=BLOCK,
+                                                      target_layer_ids=[1, 3], mask_token_id=3)).to(target.dtype)
+    ids = torch.randint(4, 128, (2, 24))
+    lengths = torch.tensor([24, 17])
+    ids[1, 17:] = 0
+    mask = torch.zeros(2, 24, dtype=torch.bool)
+    mask[:, 6:] = True
+    mask[1, 17:] = False
+    batch = Batch(ids, mask, lengths, None, ["a", "b"])
+    cache = FeatureCache(tmp_path, {"target": "t", "layer_ids": [1, 3]})
+    module = DrafterLoss(drafter, target, True, None, distill=distill, cache=cache)
+    first = module(batch, 8, torch.Generator().manual_seed(0))
+    assert cache.misses == 2 and len(list(cache.dir.glob("*.safetensors"))) == 2
+
+    calls = []
+    forward = target.forward
+    target.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        again = module(batch, 8, torch.Generator().manual_seed(0))
+        swapped = Batch(ids.flip(0), mask.flip(0), lengths.flip(0), None, ["b", "a"])  # other order, same rows
+        module(swapped, 8, torch.Generator().manual_seed(0))
+        assert calls == [] and cache.hits == 4
+        torch.testing.assert_close(again.loss, first.loss)  # a hit trains exactly like the target's pass
+        changed = Batch(ids.clone(), mask, lengths, None, ["a", "b"])
+        changed.input_ids[0, 3] += 1  # same id, other tokens: never read from the cache
+        module(changed, 8, torch.Generator().manual_seed(0))
+        assert calls == [1]
+    finally:
+        target.forward = forward
+    other = FeatureCache(tmp_path, {"target": "t", "layer_ids": [1]})  # other features: another folder
+    assert other.dir != cache.dir and not list(other.dir.glob("*.safetensors"))
+
+
 # ---------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
@@ -235,7 +277,8 @@ def test_longalign_fine_tune_from_a_registry_version(cluster, work, target_dir, 
                           target.tokenizer, 2048)
     write_sequences(held.rows, str(work / "holdout.parquet"))
     recipe_path = longalign_recipe(work, target_dir, "long", path)
-    recipe = load_train_recipe(recipe_path, ["drafter.init_from=models:/dflash-cyclic-target@champion"])
+    recipe = load_train_recipe(recipe_path, ["drafter.init_from=models:/dflash-cyclic-target@champion",
+                                             f"train.feature_cache={work / 'feature-cache'}"])
 
     res = fit(recipe)
     out = capsys.readouterr().out
@@ -249,6 +292,11 @@ def test_longalign_fine_tune_from_a_registry_version(cluster, work, target_dir, 
     assert mv.tags["parent_uri"] == "models:/dflash-cyclic-target@champion"
     assert res.extra["parent_mlflow_run_id"] == parent_run and res.extra["longalign_sequences"] == len(data.rows)
     assert res.extra["features_uri"] == str(rows_file)
+    # online features kept once per row: the 2 held-out rows and the 3-4 of the 2 steps (length
+    # buckets cut 5 rows into batches of 2, 2 and 1)
+    (cached,) = (work / "feature-cache").iterdir()
+    assert 5 <= len(list(cached.glob("*.safetensors"))) <= 6
+    assert json.loads((cached / "key.json").read_text())["target"]["identity"] == target.identity
 
     from pipelines import promote as P  # the lineage shows in promote --list
 

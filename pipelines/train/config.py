@@ -61,6 +61,10 @@ class TrainSection:
     # (pipelines.longalign), written once to <storage_path>/<run_name>/longalign.parquet and trained
     # on as online sequences (implies online: true; excludes sequences and features)
     longalign: str | None = None
+    # online only: a local directory where each row's target features are kept (fp16) after
+    # their first pass, so later epochs and evaluations skip the target (small long-context
+    # sets trained for several epochs); costs tokens x layers x hidden x 2 bytes a row
+    feature_cache: str | None = None
     holdout: str | None = None  # a separate committed feature run (or sequences) for evaluation
     holdout_fraction: float = option(0.05, check=FRACTION)  # without holdout: this share of rows, by id hash
     eval_samples: int = option(64, check=POSITIVE)  # held-out sequences per evaluation (cap)
@@ -119,6 +123,11 @@ class TrainSection:
         if self.sequences is not None and not self.online:
             raise ConfigError("train.sequences: token sequences need train.online: true (stored features carry "
                               "their own sequences)")
+        if self.feature_cache is not None and not self.online:
+            raise ConfigError("train.feature_cache: caches online features; it needs train.online: true "
+                              "(stored features are read from their run)")
+        if self.feature_cache is not None and "://" in self.feature_cache:
+            raise ConfigError(f"train.feature_cache: a local directory on each node, got {self.feature_cache!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
             raise ConfigError(f"train.run_name: expected letters, digits, '.', '_' or '-', got {self.run_name!r}")
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipelines import storage
+from pipelines.train.feature_cache import FeatureCache
 from specdec.checkpoint import save_drafter
 from specdec.draft_vocab import DraftHead
 from specdec.drafter import DFlashDrafter
@@ -72,7 +73,7 @@ class DrafterLoss(nn.Module):
     submodule: the frozen target is neither synchronised, nor partitioned, nor saved."""
 
     def __init__(self, drafter: DFlashDrafter, target, online: bool, lam: float | None, use_flex: bool = False,
-                 distill: float = 0.0):
+                 distill: float = 0.0, cache: FeatureCache | None = None):
         super().__init__()
         self.drafter = drafter
         self._target = (target,)  # a tuple keeps nn.Module from registering it
@@ -80,6 +81,7 @@ class DrafterLoss(nn.Module):
         self.lam = lam
         self.use_flex = use_flex
         self.distill = distill
+        self.cache = cache  # online only: features kept on local disk after their first pass
         self.layer_ids = list(drafter.config.target_layer_ids)
         # the frozen LM head over the drafter's vocabulary (all of it unless reduced)
         self._head = (DraftHead(target, drafter.draft_vocab),)
@@ -95,19 +97,32 @@ class DrafterLoss(nn.Module):
     def forward(self, batch, num_anchors: int, generator: torch.Generator | None = None) -> StepOutput:
         features = batch.features
         teacher = (batch.teacher_ids, batch.teacher_logprobs) if batch.teacher_ids is not None else None
-        if self.online:  # the target runs here: causal, so right padding never reaches a real token
-            pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None].expand_as(batch.input_ids)
-            with torch.no_grad():
-                out = self.target(batch.input_ids, pos, None, None, self.layer_ids)
-                features = out.features
-                if self.distill:
-                    ids, logp = self.target.topk_logprobs(out.hidden, ONLINE_TEACHER_TOPK)
-                    teacher = (ids.long(), logp)
+        if self.online:
+            features, teacher = self._online_features(batch)
         head = self.head
         return dflash_loss(self.drafter, self.target.embed, head, batch.input_ids, batch.loss_mask,
                            features, batch.lengths, num_anchors, self.lam, generator, self.use_flex,
                            vocab_index=head.index if head.ids is not None else None,
                            teacher=teacher, distill=self.distill)
+
+
+    @torch.no_grad()
+    def _online_features(self, batch):
+        """The target's features (and teacher law) for ``batch``: from the cache when every
+        row is in it, else from the target (causal, so right padding never reaches a real token)."""
+        dtype = self.target.dtype
+        if self.cache is not None and (hit := self.cache.load(batch, dtype, teacher=bool(self.distill))) is not None:
+            return hit
+        pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None].expand_as(batch.input_ids)
+        out = self.target(batch.input_ids, pos, None, None, self.layer_ids)
+        features, teacher = out.features, None
+        if self.distill:
+            ids, logp = self.target.topk_logprobs(out.hidden, ONLINE_TEACHER_TOPK)
+            teacher = (ids.long(), logp)
+        if self.cache is not None:  # fp16 on every pass, so a hit and a miss train alike
+            features = features.to(torch.float16).to(features.dtype)
+            self.cache.store(batch, features, teacher)
+        return features, teacher
 
 
 def enable_gradient_checkpointing(drafter: DFlashDrafter) -> DFlashDrafter:

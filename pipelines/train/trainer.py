@@ -37,7 +37,8 @@ from pipelines.train.config import TrainRecipe, TrainSection
 from pipelines.train.faults import FaultInjector
 from pipelines.train.data import (Collate, bucket_window, bucketed, manifest_sha256, read_sequences,
                                   sequences_sha256, simulated_padding, split_holdout)
-from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, DrafterLoss, TrainState,
+from pipelines.train.feature_cache import FeatureCache
+from pipelines.train.runner import (CHECKPOINT_PREFIX, DRAFTER_DIR, ONLINE_TEACHER_TOPK, DrafterLoss, TrainState,
                                      enable_gradient_checkpointing, latest_checkpoint_state, make_runner)
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,13 @@ def train_loop_per_worker(config: dict) -> None:
     drafter.set_dropout(tc.dropout)
     if tc.gradient_checkpointing:
         enable_gradient_checkpointing(drafter)
-    module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill)
+    cache = None
+    if tc.feature_cache:  # keyed by what the features are of: another target or layer choice never reads them
+        cache = FeatureCache(Path(tc.feature_cache).expanduser().resolve(),
+                             {"target": config["target"], "layer_ids": list(drafter.config.target_layer_ids),
+                              "teacher_topk": ONLINE_TEACHER_TOPK if tc.distill else 0})
+    module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill,
+                         cache=cache)
     runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
                          weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
 
