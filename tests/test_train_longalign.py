@@ -278,7 +278,8 @@ def test_longalign_fine_tune_from_a_registry_version(cluster, work, target_dir, 
     write_sequences(held.rows, str(work / "holdout.parquet"))
     recipe_path = longalign_recipe(work, target_dir, "long", path)
     recipe = load_train_recipe(recipe_path, ["drafter.init_from=models:/dflash-cyclic-target@champion",
-                                             f"train.feature_cache={work / 'feature-cache'}"])
+                                             "train.feature_cache=feature-cache"])
+    monkeypatch.chdir(work)  # a relative cache is the driver's directory, wherever the workers run
 
     res = fit(recipe)
     out = capsys.readouterr().out

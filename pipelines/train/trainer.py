@@ -98,7 +98,7 @@ def train_loop_per_worker(config: dict) -> None:
         enable_gradient_checkpointing(drafter)
     cache = None
     if tc.feature_cache:  # keyed by what the features are of: another target or layer choice never reads them
-        cache = FeatureCache(Path(tc.feature_cache).expanduser().resolve(),
+        cache = FeatureCache(tc.feature_cache,
                              {"target": config["target"], "layer_ids": list(drafter.config.target_layer_ids),
                               "teacher_topk": ONLINE_TEACHER_TOPK if tc.distill else 0})
     module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill,
@@ -796,8 +796,11 @@ def _trainer(recipe: TrainRecipe, plan: _Plan):
                                            checkpoint_score_order="max"),
         worker_runtime_env={"env_vars": env} if env else None,
     )
+    train = dataclasses.asdict(tc)
+    if tc.feature_cache:  # a relative path means the driver's directory (workers run elsewhere)
+        train["feature_cache"] = str(Path(tc.feature_cache).expanduser().resolve())
     config = {
-        "train": dataclasses.asdict(tc), "drafter": plan.drafter_config.as_dict(), "init_state": plan.init_state,
+        "train": train, "drafter": plan.drafter_config.as_dict(), "init_state": plan.init_state,
         "draft_vocab": plan.draft_vocab,
         "target": plan.target, "layout": plan.layout, "train_rows": plan.train_rows,
         "lam": tc.loss_lambda, "mlflow": {"tracking_uri": plan.tracking_uri, "run_id": plan.run_id,
