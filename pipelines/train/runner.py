@@ -105,7 +105,6 @@ class DrafterLoss(nn.Module):
                            vocab_index=head.index if head.ids is not None else None,
                            teacher=teacher, distill=self.distill)
 
-
     @torch.no_grad()
     def _online_features(self, batch):
         """The target's features (and teacher law) for ``batch``: from the cache when every
