@@ -37,23 +37,37 @@ class Blocks:
     label_mask: torch.Tensor  # (Bsz, N, B-1) bool: offset is inside the response
 
 
+def _draw(eligible: torch.Tensor, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``n`` distinct positions per row among ``eligible`` (Bsz, T), uniformly without
+    replacement: (positions, valid), each (Bsz, min(n, T))."""
+    Bsz, T = eligible.shape
+    # random scores, ineligible last; top-n per row = a uniform sample without replacement
+    scores = torch.rand(Bsz, T, generator=generator, device=eligible.device).masked_fill(~eligible, -1.0)
+    top, idx = scores.topk(min(n, T), dim=1)
+    return idx, top >= 0
+
+
 def sample_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int,
-                  num_anchors: int, generator: torch.Generator | None = None) -> Blocks:
+                  num_anchors: int, generator: torch.Generator | None = None, context_anchors: int = 0) -> Blocks:
     """Sample up to ``num_anchors`` distinct anchors per sequence among positions a >= 1
-    whose next token is a response token (loss_mask[a+1] = 1)."""
+    whose next token is a response token (loss_mask[a+1] = 1), plus up to ``context_anchors``
+    among the positions whose next token is a prompt token. A response block is labelled on
+    response tokens only; a context block on every real token (the prompt's own text: at long
+    context, a document read with the target's features of everything before it)."""
     Bsz, T = input_ids.shape
     dev = input_ids.device
     pos = torch.arange(T, device=dev)
     nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
     nxt[:, :-1] = loss_mask[:, 1:].bool()
-    eligible = nxt & (pos[None] >= 1) & (pos[None] < (lengths[:, None] - 1))
-    # random scores, ineligible last; top-N per row = a uniform sample without replacement
-    scores = torch.rand(Bsz, T, generator=generator, device=dev).masked_fill(~eligible, -1.0)
-    n = min(num_anchors, T)
-    top, idx = scores.topk(n, dim=1)
-    valid = top >= 0
-    anchors, order = torch.where(valid, idx, torch.full_like(idx, T)).sort(dim=1)
-    valid = valid.gather(1, order)
+    real = (pos[None] >= 1) & (pos[None] < (lengths[:, None] - 1))
+    anchors, valid = _draw(nxt & real, num_anchors, generator)
+    from_ctx = torch.zeros_like(valid)
+    if context_anchors > 0:
+        ctx, ctx_valid = _draw(~nxt & real, context_anchors, generator)
+        anchors, valid = torch.cat([anchors, ctx], 1), torch.cat([valid, ctx_valid], 1)
+        from_ctx = torch.cat([from_ctx, torch.ones_like(ctx_valid)], 1)
+    anchors, order = torch.where(valid, anchors, torch.full_like(anchors, T)).sort(dim=1)
+    valid, from_ctx = valid.gather(1, order), from_ctx.gather(1, order)
     anchors = anchors.masked_fill(~valid, 0)
     offs = torch.arange(1, block_size, device=dev)
     lab_pos = anchors[..., None] + offs  # (Bsz, N, B-1)
@@ -61,7 +75,7 @@ def sample_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     lab_pos = lab_pos.clamp(max=T - 1)
     labels = input_ids.gather(1, lab_pos.flatten(1)).view_as(lab_pos)
     in_resp = loss_mask.gather(1, lab_pos.flatten(1)).view_as(lab_pos).bool()
-    return Blocks(anchors, valid, labels.masked_fill(~inside, 0), inside & in_resp)
+    return Blocks(anchors, valid, labels.masked_fill(~inside, 0), inside & (in_resp | from_ctx[..., None]))
 
 
 def block_mask_dense(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
@@ -167,7 +181,8 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
                 input_ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
                 num_anchors: int, lam: float | None = None, generator: torch.Generator | None = None,
                 use_flex: bool = False, vocab_index: torch.Tensor | None = None,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0) -> StepOutput:
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0,
+                context_anchors: int = 0) -> StepOutput:
     """Weighted block-denoising loss for a padded batch.
 
     input_ids/loss_mask (Bsz, T), features (Bsz, T, n*H) from the target's chosen layers,
@@ -182,16 +197,18 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     renormalised over what the drafter can propose (positions where none of it can be
     proposed keep the plain CE). The label of position p is scored against the target's
     law after p - 1, the law verification compares with.
+
+    ``context_anchors`` adds that many blocks per sequence over the prompt (``sample_blocks``).
     """
     Bk = drafter.config.block_size
     lam = lam or default_lambda(Bk)
     Bsz, T = input_ids.shape
     dev = input_ids.device
-    blocks = sample_blocks(input_ids, loss_mask, lengths, Bk, num_anchors, generator)
+    blocks = sample_blocks(input_ids, loss_mask, lengths, Bk, num_anchors, generator, context_anchors)
     N = blocks.anchors.shape[1]
     hidden = block_hidden(drafter, embed, input_ids, features, blocks.anchors, blocks.valid, use_flex)
 
-    sel = blocks.label_mask  # only positions with a real response label cost anything
+    sel = blocks.label_mask  # only positions with a real label cost anything
     logits = logits_fn(hidden[sel])
     labels = blocks.labels[sel]
     if vocab_index is not None:

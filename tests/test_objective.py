@@ -58,6 +58,48 @@ def test_anchors_are_distinct_response_positions():
                     assert blocks.labels[b, j, k] == ids[b, x + 1 + k]
 
 
+def test_context_anchors_add_prompt_blocks_labelled_on_the_prompt():
+    ids, lm, lengths = _batch(prompt=20)
+    gen = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    resp_only = sample_blocks(ids, lm, lengths, 4, 6, gen())
+    both = sample_blocks(ids, lm, lengths, 4, 6, gen(), context_anchors=5)
+    for b in range(2):
+        a = both.anchors[b][both.valid[b]].tolist()
+        assert len(a) == len(set(a)) == 11 and a == sorted(a)
+        # the response draw is the same with or without context blocks (same generator first)
+        resp = [x for x in a if lm[b, x + 1] == 1]
+        assert resp == resp_only.anchors[b][resp_only.valid[b]].tolist()
+        ctx = [x for x in a if lm[b, x + 1] == 0]
+        assert len(ctx) == 5 and all(1 <= x < 19 for x in ctx)
+        for j, x in enumerate(a):
+            for k in range(3):
+                inside = x + 1 + k < lengths[b]
+                # a context block learns every real token after it, prompt or response;
+                # a response block the response only
+                expected = inside and (x in ctx or bool(lm[b, x + 1 + k]))
+                assert bool(both.label_mask[b, j, k]) == expected, (b, x, k)
+    # every prompt position is taken when more are asked than exist
+    many = sample_blocks(ids, lm, lengths, 4, 1, gen(), context_anchors=100)
+    assert int(many.valid.sum()) == 2 * (1 + 18)
+
+
+def test_context_anchors_train_only(tiny):
+    """The drafter module scores prompt blocks while training, never when evaluated."""
+    from pipelines.train.data import Batch
+    from pipelines.train.runner import DrafterLoss
+
+    target = tiny("llama")
+    drafter = random_drafter(target, block_size=4, layers=1).to(target.dtype)
+    ids, lm, lengths = _batch(prompt=20)
+    feats = torch.randn(2, ids.shape[1], drafter.config.num_features * target.hidden_size, dtype=target.dtype)
+    batch = Batch(ids % target.vocab_size, lm.bool(), lengths, feats, ["a", "b"])
+    module = DrafterLoss(drafter, target, online=False, lam=None, context_anchors=8)
+    n = lambda: module(batch, 3, torch.Generator().manual_seed(0)).n_blocks  # noqa: E731
+    assert n() == 2 * (3 + 8)
+    module.eval()
+    assert n() == 2 * 3
+
+
 def test_flex_mask_equals_dense_mask():
     from torch.nn.attention.flex_attention import create_mask
 

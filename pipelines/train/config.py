@@ -81,6 +81,9 @@ class TrainSection:
     batch_size: int = option(4, check=POSITIVE)  # sequences per worker per step
     num_anchors: int = option(512, check=POSITIVE)  # blocks sampled per sequence
     eval_anchors: int | None = option(None, check=POSITIVE)  # null: num_anchors
+    # more blocks per sequence over the prompt, labelled by its own tokens (training only): at long
+    # context the document is most of the sequence, and every position of it has target features
+    context_anchors: int = option(0, check=NON_NEGATIVE)
     loss_lambda: float | None = option(None, check=POSITIVE)  # decay of the offset weights; null: paper's per B
     # alpha > 0: CE against the target's own law (top-K log-probs stored with the features,
     # features.storage.teacher_topk, or computed online) mixed in as (1 - alpha) * hard + alpha * soft

@@ -73,7 +73,7 @@ class DrafterLoss(nn.Module):
     submodule: the frozen target is neither synchronised, nor partitioned, nor saved."""
 
     def __init__(self, drafter: DFlashDrafter, target, online: bool, lam: float | None, use_flex: bool = False,
-                 distill: float = 0.0, cache: FeatureCache | None = None):
+                 distill: float = 0.0, cache: FeatureCache | None = None, context_anchors: int = 0):
         super().__init__()
         self.drafter = drafter
         self._target = (target,)  # a tuple keeps nn.Module from registering it
@@ -82,6 +82,8 @@ class DrafterLoss(nn.Module):
         self.use_flex = use_flex
         self.distill = distill
         self.cache = cache  # online only: features kept on local disk after their first pass
+        # extra blocks over the prompt while training; evaluation scores responses only, as inference does
+        self.context_anchors = context_anchors
         self.layer_ids = list(drafter.config.target_layer_ids)
         # the frozen LM head over the drafter's vocabulary (all of it unless reduced)
         self._head = (DraftHead(target, drafter.draft_vocab),)
@@ -103,7 +105,8 @@ class DrafterLoss(nn.Module):
         return dflash_loss(self.drafter, self.target.embed, head, batch.input_ids, batch.loss_mask,
                            features, batch.lengths, num_anchors, self.lam, generator, self.use_flex,
                            vocab_index=head.index if head.ids is not None else None,
-                           teacher=teacher, distill=self.distill)
+                           teacher=teacher, distill=self.distill,
+                           context_anchors=self.context_anchors if self.training else 0)
 
     @torch.no_grad()
     def _online_features(self, batch):

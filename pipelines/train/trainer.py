@@ -102,7 +102,7 @@ def train_loop_per_worker(config: dict) -> None:
                              {"target": config["target"], "layer_ids": list(drafter.config.target_layer_ids),
                               "teacher_topk": ONLINE_TEACHER_TOPK if tc.distill else 0})
     module = DrafterLoss(drafter.to(device), target, tc.online, config["lam"], use_flex=use_flex, distill=tc.distill,
-                         cache=cache)
+                         cache=cache, context_anchors=tc.context_anchors)
     runner = make_runner(tc.strategy, module, device, bf16, grad_clip=tc.grad_clip, lr=tc.lr,
                          weight_decay=tc.weight_decay, zero_stage=tc.zero_stage, micro_batch=tc.batch_size)
 
