@@ -34,7 +34,7 @@ class Blocks:
     anchors: torch.Tensor  # (Bsz, N) anchor positions; padded entries point at 0
     valid: torch.Tensor  # (Bsz, N) bool: a real block
     labels: torch.Tensor  # (Bsz, N, B-1) target token at offsets 1..B-1 (0 where none)
-    label_mask: torch.Tensor  # (Bsz, N, B-1) bool: offset is inside the response
+    label_mask: torch.Tensor  # (Bsz, N, B-1) bool: offset has a label (response; any real token for a context block)
 
 
 def _draw(eligible: torch.Tensor, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
