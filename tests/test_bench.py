@@ -160,8 +160,7 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     import shutil
 
     from pipelines.train.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, data_cost, format_table,
-                                              run_recipe_bench)
-    from pipelines.train.recipe_bench import write as write_recipe
+                                              run_recipe_bench, write as write_recipe)
 
     feats = tmp_path / "features"
     feats.mkdir()
