@@ -61,14 +61,13 @@ def sample_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     nxt[:, :-1] = loss_mask[:, 1:].bool()
     real = (pos[None] >= 1) & (pos[None] < (lengths[:, None] - 1))
     anchors, valid = _draw(nxt & real, num_anchors, generator)
-    from_ctx = torch.zeros_like(valid)
     if context_anchors > 0:
         ctx, ctx_valid = _draw(~nxt & real, context_anchors, generator)
         anchors, valid = torch.cat([anchors, ctx], 1), torch.cat([valid, ctx_valid], 1)
-        from_ctx = torch.cat([from_ctx, torch.ones_like(ctx_valid)], 1)
     anchors, order = torch.where(valid, anchors, torch.full_like(anchors, T)).sort(dim=1)
-    valid, from_ctx = valid.gather(1, order), from_ctx.gather(1, order)
+    valid = valid.gather(1, order)
     anchors = anchors.masked_fill(~valid, 0)
+    from_ctx = ~nxt.gather(1, anchors)  # a context block: its anchor's next token is a prompt token
     offs = torch.arange(1, block_size, device=dev)
     lab_pos = anchors[..., None] + offs  # (Bsz, N, B-1)
     inside = (lab_pos < lengths[:, None, None]) & valid[..., None]
