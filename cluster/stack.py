@@ -428,9 +428,44 @@ def _start(args, state_dir: Path) -> int:
     ports = _choose_ports(args)
     temp_dir = _ray_temp_dir(state_dir)
     temp_dir.mkdir(parents=True, exist_ok=True)
-    stack_id = uuid.uuid4().hex
-    state: dict = {
-        "version": 1, "id": stack_id, "state_dir": str(state_dir), "started_at": _now(),
+    state = _new_state(args, state_dir, ports, temp_dir)
+    base = _base_env(state["id"])
+    try:
+        state["ray"]["auth"] = _ensure_token(base)
+        _save_state(state)  # from here on, `down` can clean up whatever got started
+
+        # MLflow and S3 first: their addresses go into the Ray head's environment.
+        mlflow_log = logs / "mlflow.log"
+        mlflow_proc = _start_mlflow(state, base, mlflow_log, ports["mlflow"])
+        s3_proc = s3_log = None
+        if args.s3:
+            s3_log = logs / "s3.log"
+            s3_proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(ports["s3"])],
+                             base, state_dir, s3_log)
+            state["s3"]["pid"] = s3_proc.pid
+        _save_state(state)
+
+        _start_ray_head(args, state, {**base, **head_env(state)}, logs / "ray-start.log", ports, temp_dir)
+        _wait_until_answering(args, state, (mlflow_proc, mlflow_log), (s3_proc, s3_log), temp_dir)
+    except BaseException as e:
+        rc = _stop_after_failed_start(e, state, state_dir, args.grace)
+        if rc is None:
+            raise
+        return rc
+    state["status"] = "running"
+    _save_state(state)
+    env_path = _write_env_file(state)
+    print(f"stack is up (state in {state_dir})")
+    _print_summary(state, health(state))
+    print(f"\n  source {_rel(env_path)}\n  ray job submit --working-dir . -- python jobs/generate_features.py "
+          f"--config configs/smollm2-135m.yaml\n  python -m cluster.stack down")
+    return 0
+
+
+def _new_state(args, state_dir: Path, ports: dict[str, int], temp_dir: Path) -> dict:
+    """The state record of a stack about to start (``stack.json``): addresses, no pids yet."""
+    return {
+        "version": 1, "id": uuid.uuid4().hex, "state_dir": str(state_dir), "started_at": _now(),
         "created_unix": time.time(), "python": sys.executable, "status": "starting",
         "ray": {"port": ports["ray"], "dashboard_url": f"http://127.0.0.1:{ports['dashboard']}",
                 "temp_dir": str(temp_dir), "gcs_address": None, "num_cpus": args.num_cpus,
@@ -441,102 +476,104 @@ def _start(args, state_dir: Path) -> int:
         "s3": ({"endpoint": f"http://127.0.0.1:{ports['s3']}", "pid": None, "bucket": args.bucket}
                if args.s3 else None),
     }
+
+
+def _base_env(stack_id: str) -> dict[str, str]:
+    """The environment of every process the stack starts: ours without another stack's or
+    cluster's addresses, the venv's bin first, and the marker that finds them again."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_DASHBOARD_ADDRESS", MARKER_ENV)}
     base["PATH"] = _bin_dir() + os.pathsep + base.get("PATH", "")
     base[MARKER_ENV] = stack_id
     base.setdefault("PYTHONUNBUFFERED", "1")
-    try:
-        state["ray"]["auth"] = _ensure_token(base)
-        _save_state(state)  # from here on, `down` can clean up whatever got started
+    return base
 
-        # MLflow and S3 first: their addresses go into the Ray head's environment.
-        mlflow_log = logs / "mlflow.log"
-        Path(state["mlflow"]["artifacts"]).mkdir(parents=True, exist_ok=True)
-        mlflow_cmd = [sys.executable, "-m", "mlflow", "server",
-                      "--backend-store-uri", state["mlflow"]["backend_store"],
-                      "--artifacts-destination", state["mlflow"]["artifacts"], "--serve-artifacts",
-                      "--host", "127.0.0.1", "--port", str(ports["mlflow"]), "--workers", "1"]
-        mlflow_proc = subprocess.Popen(mlflow_cmd, env=base, cwd=state_dir, stdin=subprocess.DEVNULL,
-                                       stdout=open(mlflow_log, "wb"), stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        state["mlflow"]["pid"] = mlflow_proc.pid
-        s3_proc = s3_log = None
-        if args.s3:
-            s3_log = logs / "s3.log"
-            s3_proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                        "-p", str(ports["s3"])],
-                                       env=base, cwd=state_dir, stdin=subprocess.DEVNULL,
-                                       stdout=open(s3_log, "wb"), stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-            state["s3"]["pid"] = s3_proc.pid
-        _save_state(state)
 
-        ray_env = {**base, **head_env(state)}
-        ray_log = logs / "ray-start.log"
-        ray_cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
-                   "--port", str(ports["ray"]),
-                   "--dashboard-host", "127.0.0.1", "--dashboard-port", str(ports["dashboard"]),
-                   "--include-dashboard", "true",
-                   "--ray-client-server-port", str(ports["client"]),
-                   "--dashboard-agent-listen-port", str(ports["agent"]),
-                   "--temp-dir", str(temp_dir), "--disable-usage-stats", "--log-style", "record"]
-        if args.num_cpus is not None:
-            ray_cmd += ["--num-cpus", str(args.num_cpus)]
-        if args.object_store_memory:
-            ray_cmd += ["--object-store-memory", str(int(args.object_store_memory * (1 << 20)))]
-        with open(ray_log, "wb") as fh:
-            # `ray start` returns once the head runs; its processes detach.
-            try:
-                rc = subprocess.run(ray_cmd, env=ray_env, cwd=args.workdir, stdin=subprocess.DEVNULL,
-                                    stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                raise StackError(f"`ray start --head` did not return within {args.timeout:.0f} s; "
-                                 f"last lines of {ray_log}:\n{_tail(ray_log)}") from None
-        if rc != 0:
-            raise StackError(f"`ray start --head` failed (exit {rc}); last lines of {ray_log}:\n{_tail(ray_log)}")
-        addr_file = temp_dir / "ray_current_cluster"
-        _wait("Ray head (GCS address file)", addr_file.is_file, 30)
-        state["ray"]["gcs_address"] = addr_file.read_text().strip()
-        _save_state(state)
+def _spawn(cmd: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+    """A detached server process (its own session) writing to ``log``."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
-        deadline = time.monotonic() + args.timeout
-        left = lambda: max(5.0, deadline - time.monotonic())  # noqa: E731
-        _wait("MLflow server", lambda: _http(state["mlflow"]["url"] + "/health", timeout=2)[0] == 200,
-              left(), mlflow_proc, mlflow_log)
-        if s3_proc is not None:
-            endpoint = state["s3"]["endpoint"]
-            _wait("S3 API (moto)", lambda: _http(endpoint + "/", timeout=2)[0] == 200, left(), s3_proc, s3_log)
-            code, body = _http(f"{endpoint}/{args.bucket}", method="PUT", timeout=10)
-            if code not in (200, 409):
-                raise StackError(f"could not create bucket {args.bucket!r}: HTTP {code} {body[:200]}")
-        dash = state["ray"]["dashboard_url"]
-        headers = _auth_headers(state)
-        _wait("Ray dashboard", lambda: _http(dash + "/api/gcs_healthz", timeout=2)[0] == 200, left(),
-              log=temp_dir / "session_latest" / "logs" / "dashboard.log")
-        _wait("Ray job API", lambda: _http(dash + "/api/jobs/", headers=headers, timeout=3)[0] == 200, left(),
-              log=temp_dir / "session_latest" / "logs" / "dashboard_JobHead.log")
-    except BaseException as e:
-        print(f"error: {e if isinstance(e, StackError) else repr(e)}", file=sys.stderr)
-        print("stopping what was started ...", file=sys.stderr)
-        _, left_pids = stop_all(state, args.grace)
-        if left_pids:
-            print(f"warning: processes still alive: {left_pids}", file=sys.stderr)
-        else:
-            (state_dir / STATE_FILE).unlink(missing_ok=True)
-        if isinstance(e, StackError) and "in use" in str(e).lower():
-            return _PORT_TAKEN
-        if isinstance(e, (StackError, subprocess.TimeoutExpired)):
-            return 1
-        raise
-    state["status"] = "running"
+
+def _start_mlflow(state: dict, base: dict, log: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` on the stack's sqlite store, serving the artifacts it stores."""
+    m = state["mlflow"]
+    Path(m["artifacts"]).mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", m["backend_store"],
+           "--artifacts-destination", m["artifacts"], "--serve-artifacts",
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    proc = _spawn(cmd, base, Path(state["state_dir"]), log)
+    m["pid"] = proc.pid
+    return proc
+
+
+def _start_ray_head(args, state: dict, env: dict, log: Path, ports: dict[str, int], temp_dir: Path) -> None:
+    """``ray start --head`` (it returns once the head runs; its processes detach), then the
+    GCS address it writes into the state."""
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
+           "--port", str(ports["ray"]),
+           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(ports["dashboard"]),
+           "--include-dashboard", "true",
+           "--ray-client-server-port", str(ports["client"]),
+           "--dashboard-agent-listen-port", str(ports["agent"]),
+           "--temp-dir", str(temp_dir), "--disable-usage-stats", "--log-style", "record"]
+    if args.num_cpus is not None:
+        cmd += ["--num-cpus", str(args.num_cpus)]
+    if args.object_store_memory:
+        cmd += ["--object-store-memory", str(int(args.object_store_memory * (1 << 20)))]
+    with open(log, "wb") as fh:
+        try:
+            rc = subprocess.run(cmd, env=env, cwd=args.workdir, stdin=subprocess.DEVNULL,
+                                stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise StackError(f"`ray start --head` did not return within {args.timeout:.0f} s; "
+                             f"last lines of {log}:\n{_tail(log)}") from None
+    if rc != 0:
+        raise StackError(f"`ray start --head` failed (exit {rc}); last lines of {log}:\n{_tail(log)}")
+    addr_file = temp_dir / "ray_current_cluster"
+    _wait("Ray head (GCS address file)", addr_file.is_file, 30)
+    state["ray"]["gcs_address"] = addr_file.read_text().strip()
     _save_state(state)
-    env_path = _write_env_file(state)
-    print(f"stack is up (state in {state_dir})")
-    _print_summary(state, health(state))
-    print(f"\n  source {_rel(env_path)}\n  ray job submit --working-dir . -- python jobs/generate_features.py "
-          f"--config configs/smollm2-135m.yaml\n  python -m cluster.stack down")
-    return 0
+
+
+def _wait_until_answering(args, state: dict, mlflow: tuple, s3: tuple, temp_dir: Path) -> None:
+    """Wait (``args.timeout`` in all) for MLflow, S3 (creating the bucket) and the Ray
+    dashboard and job API to answer; ``mlflow`` and ``s3`` are (process, log)."""
+    deadline = time.monotonic() + args.timeout
+    left = lambda: max(5.0, deadline - time.monotonic())  # noqa: E731
+    mlflow_proc, mlflow_log = mlflow
+    _wait("MLflow server", lambda: _http(state["mlflow"]["url"] + "/health", timeout=2)[0] == 200,
+          left(), mlflow_proc, mlflow_log)
+    s3_proc, s3_log = s3
+    if s3_proc is not None:
+        endpoint = state["s3"]["endpoint"]
+        _wait("S3 API (moto)", lambda: _http(endpoint + "/", timeout=2)[0] == 200, left(), s3_proc, s3_log)
+        code, body = _http(f"{endpoint}/{args.bucket}", method="PUT", timeout=10)
+        if code not in (200, 409):
+            raise StackError(f"could not create bucket {args.bucket!r}: HTTP {code} {body[:200]}")
+    dash = state["ray"]["dashboard_url"]
+    headers = _auth_headers(state)
+    _wait("Ray dashboard", lambda: _http(dash + "/api/gcs_healthz", timeout=2)[0] == 200, left(),
+          log=temp_dir / "session_latest" / "logs" / "dashboard.log")
+    _wait("Ray job API", lambda: _http(dash + "/api/jobs/", headers=headers, timeout=3)[0] == 200, left(),
+          log=temp_dir / "session_latest" / "logs" / "dashboard_JobHead.log")
+
+
+def _stop_after_failed_start(e: BaseException, state: dict, state_dir: Path, grace_s: float) -> int | None:
+    """Say why starting failed and stop what was started; the exit code, or None when
+    ``e`` is not a failure to report (the caller re-raises it)."""
+    print(f"error: {e if isinstance(e, StackError) else repr(e)}", file=sys.stderr)
+    print("stopping what was started ...", file=sys.stderr)
+    _, left_pids = stop_all(state, grace_s)
+    if left_pids:
+        print(f"warning: processes still alive: {left_pids}", file=sys.stderr)
+    else:
+        (state_dir / STATE_FILE).unlink(missing_ok=True)
+    if isinstance(e, StackError) and "in use" in str(e).lower():
+        return _PORT_TAKEN
+    if isinstance(e, (StackError, subprocess.TimeoutExpired)):
+        return 1
+    return None
 
 
 def _rel(path: Path) -> str:

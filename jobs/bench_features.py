@@ -1,4 +1,4 @@
-"""Feature-stage benchmark (logic: pipelines/features/bench.py).
+"""Feature-stage benchmark (logic: harness/features_bench.py).
 
     python jobs/bench_features.py --out runs/bench/features.json
 
@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness/ sits beside jobs/
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the result JSON here too")
     args = ap.parse_args(argv)
 
-    from pipelines.features.bench import run_bench
+    from harness.features_bench import run_bench
 
     result = run_bench(args.sequences, args.max_tokens, args.batch_size, args.rounds, with_ray=not args.no_ray)
     text = json.dumps(result, indent=1)

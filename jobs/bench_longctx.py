@@ -7,7 +7,7 @@ and 8K tokens), side by side with AR, greedy (every output checked identical to 
 
 --window W adds every drafter again with sliding-window draft attention of W positions
 ("short+w1024"). Prints a table, writes X.json and X.png, logs both to MLflow (experiment
-context-bench). Logic: pipelines/context_bench.py.
+context-bench). Logic: harness/context_bench.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.context_bench import ContextBenchConfig, format_table, log_to_mlflow, run_context_bench, write  # noqa: E402
+from harness.context_bench import ContextBenchConfig, format_table, log_to_mlflow, plot, run_context_bench  # noqa: E402
+from pipelines.report import write_report  # noqa: E402
 from specdec.bench import BenchError  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(report))
-    files = write(report, args.out)
+    files = write_report(report, args.out, plot)
     print(f"wrote {files[0]} and {files[1]} ({report['seconds']:.0f} s)")
     if not args.no_mlflow:
         print(f"MLflow run {log_to_mlflow(report, args.tracking_uri, files)}")

@@ -5,7 +5,7 @@ drafters against the wall-clock hours their data and training took; one line per
         --variant "cpu-recipe=runs/train/smollm2-135m-cpu" --out runs/bench/recipe
 
 Each variant is a finished training run directory. Prints a table, writes X.json and X.png
-(tau vs hours), and logs both to MLflow (experiment recipe-bench). Logic: pipelines/train/recipe_bench.py.
+(tau vs hours), and logs both to MLflow (experiment recipe-bench). Logic: harness/recipe_bench.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipelines.train.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, format_table,  # noqa: E402
-                                    log_to_mlflow, run_recipe_bench, write)
+from harness.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, format_table,  # noqa: E402
+                                  log_to_mlflow, plot, run_recipe_bench)
+from pipelines.report import write_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(report))
-    files = write(report, args.out)
+    files = write_report(report, args.out, plot)
     print(f"wrote {files[0]} and {files[1]}")
     if not args.no_mlflow:
         print(f"MLflow run {log_to_mlflow(report, args.tracking_uri, files)}")

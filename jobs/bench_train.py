@@ -1,4 +1,4 @@
-"""Training benchmarks (logic: pipelines/train/bench.py).
+"""Training benchmarks (logic: harness/train_bench.py).
 
     python jobs/bench_train.py throughput --workers 1,2 --out runs/bench/train_throughput.json
     python jobs/bench_train.py curve --run runs/train/smollm2-135m-dflash --out runs/bench/curve
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="runs/bench/curve")
     args = ap.parse_args(argv)
 
-    from pipelines.train import bench as train_bench
+    from harness import train_bench
     from pipelines.train import curves
 
     if args.cmd == "curve":

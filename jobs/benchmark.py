@@ -3,7 +3,8 @@
     python jobs/benchmark.py --prompts humaneval --num-prompts 8 --max-new-tokens 64 \
         --methods hf_generate,ar,prompt_lookup,oracle --block-size 16 --out runs/bench/engine.json
 
-All logic lives in specdec.bench; this file parses flags, prints, writes files.
+All logic lives in harness/bench.py (measuring: specdec/bench.py); this file parses flags, prints,
+writes files.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness/ sits beside jobs/
 
 import transformers  # noqa: E402
 
-from specdec.bench import DEFAULT_METHODS, METHODS, BenchConfig, BenchError, format_report, run_benchmark, write_report  # noqa: E402
+from harness.bench import DEFAULT_METHODS, METHODS, BenchConfig, format_report, run_benchmark  # noqa: E402
+from pipelines.report import write_report  # noqa: E402
+from specdec.bench import BenchError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:

@@ -2,7 +2,7 @@
 features (ray job submit) -> the packaged reference drafter as first @champion -> training
 (ray job submit, Ray Train) -> promotion vs @champion -> serve run (speculative app following
 @champion beside the target alone) -> chat requests with the openai client -> summary JSON + PNG.
-Stages and what each prints: pipelines/demo.py. Re-running reuses what is done.
+Stages and what each prints: harness/demo.py. Re-running reuses what is done.
 
     python jobs/demo.py [--prompts 256] [--max-new-tokens 64] [--steps 60] [--out runs/demo]
     python jobs/demo.py --stop          # make demo-stop: the served apps and the stack
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.demo import DemoConfig, DemoError, run_demo, stop  # noqa: E402
+from harness.demo import DemoConfig, DemoError, run_demo, stop  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

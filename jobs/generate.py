@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness/ sits beside jobs/
 
 import transformers  # noqa: E402
 
-from specdec.bench import BenchError, format_stats, generate_one, load_drafter_for, load_target_checked  # noqa: E402
-from specdec.drafter import check_block_size  # noqa: E402
+from harness.bench import format_stats, generate_one  # noqa: E402
+from specdec.bench import BenchError, load_drafter_for, load_target_checked  # noqa: E402
+from specdec.checkpoint_format import check_block_size  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 
 

@@ -162,7 +162,7 @@ def start_apps(args) -> tuple[str, str]:
               "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
     if args.tracking_uri:
         common["tracking_uri"] = args.tracking_uri
-    spec = {**common, "drafter": args.drafter, "block_size": args.block_size, "lookup_block": args.lookup_block}
+    spec = {**common, "drafter": args.drafter, "speculation": args.speculation, "lookup_block": args.lookup_block}
     ar = {**common, "drafter": "none"}
     serve.run(build_app(spec), name="spec", route_prefix="/spec")
     serve.run(build_app(ar), name="ar", route_prefix="/ar")
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--tracking-uri", default=None)
-    ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--speculation", default="auto", help="the served mode: auto | off | N (a fixed block)")
     ap.add_argument("--lookup-block", type=int, default=8, help="prompt lookup beside the drafter (0: drafter alone)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--replica-cpus", type=float, default=1.0)

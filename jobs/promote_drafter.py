@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows, indent=1))
             else:
                 print(f"{name}: {len(rows)} version(s)")
-                print(P.format_table(rows))
+                print(format_table(rows))
             return 0
         if args.rollback:
             rb = P.rollback(args.tracking_uri, name)
@@ -152,15 +152,67 @@ def _show(outcome, as_json: bool) -> None:
     if as_json:
         print(json.dumps(outcome.as_dict(), indent=1, default=str))
     else:
-        print(_format(outcome))
+        print(format_evaluation(outcome))
     if not outcome.decision.promote:
         print(f"refused: {outcome.decision.reason}", file=sys.stderr)
 
 
-def _format(outcome) -> str:
-    from pipelines.promote import format_evaluation
+# ---------------------------------------------------------------------------- terminal output
+LIST_COLUMNS = ("version", "aliases", "created", "target", "run", "context", "parent", "tau", "speedup", "exact",
+                "vs", "decision")
 
-    return format_evaluation(outcome)
+
+def format_table(rows: list[dict], columns: tuple[str, ...] = LIST_COLUMNS) -> str:
+    """``--list``: one aligned line per version (``pipelines.promote.list_versions`` rows)."""
+    cells = [[str(r[c]) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(columns)] + [line(r) for r in cells])
+
+
+def format_evaluation(outcome) -> str:
+    """The side-by-side table (one per prompt set) and the decision of a ``promote`` outcome."""
+    from pipelines.registry import CHAMPION, PREVIOUS
+
+    lines = []
+    for r in (outcome.reports or {"": outcome.report}).values():
+        lines += _report_lines(outcome, r)
+    d = outcome.decision
+    verdict = ("PROMOTED" if outcome.promoted else "WOULD PROMOTE (dry run, aliases untouched)" if d.promote
+               else "REFUSED")
+    rule = f"{d.metric}, margin {d.margin:.0%}" + (f", tolerance {d.tolerance:.0%}" if d.tolerance is not None else "")
+    lines.append(f"decision ({rule}): {verdict}: {d.reason}")
+    if outcome.promoted:
+        lines.append(f"aliases: @{CHAMPION} -> v{outcome.challenger}"
+                     + (f", @{PREVIOUS} -> v{outcome.champion_before}" if outcome.champion_before else ""))
+    if len(outcome.run_ids) > 1:
+        lines.append("evaluation runs: " + ", ".join(f"{k} {v}" for k, v in outcome.run_ids.items())
+                     + f" (experiment {outcome.experiment})")
+    else:
+        lines.append(f"evaluation run: {outcome.run_id} (experiment {outcome.experiment})")
+    return "\n".join(lines)
+
+
+def _report_lines(outcome, r: dict) -> list[str]:
+    """One prompt set's measurement: what was compared, a row per method, the cost terms."""
+    from pipelines.registry import CHAMPION
+
+    cfg = r["config"]
+    lines = [f"{outcome.model} at {outcome.tracking_uri}: challenger v{outcome.challenger} vs "
+             + (f"@{CHAMPION} v{outcome.champion_before}" if outcome.champion_before else "no champion")
+             + f" | {cfg['num_prompts_used']} prompts from {cfg['prompts']}, {cfg['max_new_tokens']} new tokens "
+             "each, greedy, one interleaved run",
+             f"{'method':<14}{'role':<12}{'block':>6}{'tok/s':>10}{'speedup':>9}{'tau':>7}  exact"]
+    for x in r["results"]:
+        exact = "-" if x["method"] == "ar" else str(r["exactness"]["equal"][x["method"]]).lower()
+        tau = "-" if x["tau_mean"] is None else f"{x['tau_mean']:.3f}"
+        lines.append(f"{x['method']:<14}{x['role']:<12}{x['block_size'] or '-':>6}{x['tokens_per_s']:>10.2f}"
+                     f"{x['speedup_vs_ar']:>8.3f}x{tau:>7}  {exact}")
+    for m, c in r["cost_terms"].items():
+        if m != "L_ar_s":
+            lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
+                         f"{c['r_o']:.2f} -> predicted {c['predicted_speedup']:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":

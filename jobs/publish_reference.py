@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.bench import format_report  # noqa: E402
 from pipelines.reference import DEFAULT_MARGIN, publish_reference  # noqa: E402
-from specdec.bench import BenchError, format_report  # noqa: E402
+from specdec.bench import BenchError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

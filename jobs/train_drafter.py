@@ -1,5 +1,7 @@
 """Train a DFlash drafter with Ray Train (logic: pipelines/train/trainer.py).
 
+    python jobs/train_drafter.py --config configs/qwen3-8b.yaml --plan    # capacity plan: seconds, no GPU
+
     ray job submit --working-dir . -- python jobs/train_drafter.py --config configs/smollm2-135m.yaml
     python jobs/train_drafter.py --config configs/smollm2-135m.yaml --set train.max_steps=20 --set train.num_workers=2
 
@@ -27,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="recipe YAML (features:, drafter:, train:, registry:)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe value, e.g. train.max_steps=20 or train.num_workers=[1,4] (repeatable)")
-    ap.add_argument("--json", action="store_true", help="print the full result as JSON")
+    ap.add_argument("--json", action="store_true", help="print the full result (or plan) as JSON")
+    plan = ap.add_argument_group("capacity plan (no weights, no GPU, no Ray: seconds)")
+    plan.add_argument("--plan", action="store_true", help="print per-GPU memory, step time, data volume and the "
+                      "recommended feature mode for this recipe, then exit")
+    plan.add_argument("--gpu", default="h100-80gb", help="accelerator to plan for (h100-80gb, h200, a100-80gb, ...)")
+    plan.add_argument("--samples", type=int, default=None, help="training sequences (default: prompts.limit, else 800K)")
+    plan.add_argument("--tokens-per-sample", type=int, default=None, help="default: half of train.max_length")
+    plan.add_argument("--cpus-per-gpu", type=float, default=8.0, help="CPUs a node has for each GPU")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
 
@@ -39,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.plan:
+        return print_plan(recipe, args)
 
     import ray
 
@@ -60,6 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow: run {result.mlflow_run_id} at {result.tracking_uri}")
     if result.model_version:
         print(f"registered: models:/{result.model_name}/{result.model_version}")
+    return 0
+
+
+def print_plan(recipe, args) -> int:
+    """``--plan``: the capacity plan of ``recipe`` (pipelines/train/capacity.py)."""
+    from pipelines.train.capacity import PlanOptions, format_plan, make_plan
+
+    try:
+        plan = make_plan(recipe, PlanOptions(gpu=args.gpu, samples=args.samples,
+                                             tokens_per_sample=args.tokens_per_sample, cpus_per_gpu=args.cpus_per_gpu))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
     return 0
 
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from specdec.sampling import MAX_TEMPERATURE
+
 
 class ConfigError(ValueError):
     """A recipe value that cannot be used; the message starts with the key's path."""
@@ -28,6 +30,7 @@ class ConfigError(ValueError):
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
+TEMPERATURE = (lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")  # the rule: specdec/sampling.py
 PROBABILITY = (lambda v: 0 < v <= 1, "in (0, 1]")
 
 
@@ -198,7 +201,7 @@ class GenerationSection:
     # hf / vllm: the target regenerates the answers; dataset: the dataset's own assistant
     # answers, teacher-forced (no generation: 3x cheaper per answer token on a CPU, EAGLE-1's data)
     backend: Literal["hf", "vllm", "dataset"] = "hf"
-    temperature: float = option(0.0, check=NON_NEGATIVE)
+    temperature: float = option(0.0, check=TEMPERATURE)
     top_p: float = option(1.0, check=PROBABILITY)
     top_k: int = option(0, check=NON_NEGATIVE)
     max_new_tokens: int = option(256, check=POSITIVE)

@@ -107,7 +107,7 @@ def measure(target, candidates: list[Candidate], prompts: list[list[int]], promp
     ``block_size``), ``exactness`` and ``cost_terms``, plus ``versions``. ``lookup_block`` > 1
     measures each drafter with prompt lookup beside it, as serving runs it."""
     from specdec.bench import engine_method, machine_info, measure_methods, summarise
-    from specdec.lookup import drafter_proposer, engine_block
+    from specdec.proposers import drafter_proposer, engine_width
     from specdec.sampling import GREEDY
 
     stop = frozenset()  # ignore EOS: every method generates exactly max_new_tokens
@@ -115,7 +115,7 @@ def measure(target, candidates: list[Candidate], prompts: list[list[int]], promp
     for c in candidates:
         methods[c.label] = engine_method(
             target, GREEDY, lambda c=c: drafter_proposer(c.drafter, target, c.block_size, lookup_block),
-            engine_block(c.block_size, lookup_block), stop)
+            engine_width(c.block_size, lookup_block), stop)
     acc = measure_methods(methods, prompts, max_new_tokens, batch_size, seed, warmup_tokens)
     summary = summarise(acc, greedy=True)
     by_label = {c.label: c for c in candidates}
@@ -260,7 +260,7 @@ def log_evaluation(tracking_uri: str, name: str, report: dict, evals: dict[str, 
     it: promote, reason, metric, margin) and each measured version's ``eval.*`` tags."""
     from mlflow.entities import Metric, Param
 
-    from specdec.bench import write_report
+    from pipelines.report import write_report
 
     uri = tracking_uri
     ch = evals["challenger"]

@@ -17,7 +17,7 @@ machine noise hits every method alike. Per drafter: exactness (greedy token iden
 measured version gets the summary as ``eval.*`` tags, the challenger the decision as
 ``promotion.*`` tags.
 
-Decision rule (:func:`decide`):
+Decision rule (:func:`decide_sets`, the one rule; :func:`decide` is a set of one):
 
 1. the challenger must be exact (greedy output identical to ``ar`` on every prompt);
 2. no champion yet: the bar is the target alone (AR): the challenger becomes champion only
@@ -29,9 +29,9 @@ Decision rule (:func:`decide`):
 
 Several prompt sets (``prompts: "sharegpt,longctx"``; the default for a challenger tagged
 ``context: long``) are measured one after the other with the same loaded drafters, and
-:func:`decide_sets` applies: exact on every set; with a champion, beat it by the margin on
-at least one set AND lose no more than ``tolerance`` (relative, default 5%) on any set;
-with no champion, beat the target alone by the margin on every set.
+the same rule reads: exact on every set; with a champion, beat it by the margin on at
+least one set AND lose no more than ``tolerance`` (relative, default 5%) on any set; with
+no champion, beat the target alone by the margin on every set.
 
 Alias moves are all-or-nothing as far as the user can see: the registry is checked and
 everything is read before anything is written; then ``@previous`` <- old champion, then
@@ -41,8 +41,8 @@ decided on.
 
 Lineage checks and the measurement itself are ``pipelines.evaluate``'s (the engine
 benchmark's harness); registry reads, alias moves and error mapping are
-``pipelines.registry``'s. This module holds the decision rule and the promote / rollback /
-list orchestration.
+``pipelines.registry``'s; the terminal output is ``jobs/promote_drafter.py``'s. This module
+holds the decision rule and the promote / rollback / list orchestration.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ DEFAULT_TOLERANCE = 0.05  # several prompt sets: the most the challenger may los
 DEFAULT_PROMPTS = "sharegpt"
 LONG_CONTEXT_PROMPTS = ("sharegpt", "longctx")  # a challenger tagged context: long is measured on both
 DECISION_TAG_PREFIX = "promotion."
+ONE_SET = "prompts"  # the set's name in the record of a single-set decision (decide)
 
 
 # ============================================================================ errors
@@ -112,113 +113,127 @@ def _check_rule(metric: str, margin: float, tolerance: float = 0.0) -> None:
 
 def decide(challenger: Evaluation, champion: Evaluation | None, metric: str = DEFAULT_METRIC,
            margin: float = DEFAULT_MARGIN) -> Decision:
-    """The promotion rule (see the module docstring); pure, so it is tested directly."""
-    _check_rule(metric, margin)
-    d = lambda ok, why: Decision(ok, why, metric, margin)  # noqa: E731
-    if not challenger.exact:
-        where = (f" (first mismatch at prompt {challenger.first_mismatch[0]}, token {challenger.first_mismatch[1]})"
-                 if challenger.first_mismatch else "")
-        return d(False, f"v{challenger.version} is not exact: its greedy output differs from the target alone{where}; "
-                        "an inexact drafter is never promoted")
-    if champion is None:  # the bar is the target alone: serving must not get slower
-        need = 1 + margin
-        cmp = (f"speedup {challenger.speedup:.3f}x vs the target alone (no @{CHAMPION} yet; margin {margin:.0%} "
-               f"needs >= {need:.3f}x), tau {_fmt(challenger.tau)}")
-        if challenger.speedup >= need:
-            return d(True, f"v{challenger.version} is exact and faster than the target alone: {cmp}")
-        return d(False, f"v{challenger.version} is exact but not faster than the target alone: {cmp}")
-    if champion.version == challenger.version:
-        return d(False, f"v{challenger.version} is already @{CHAMPION}")
-    new, old = challenger.metric(metric), champion.metric(metric)
-    need = old * (1 + margin)
-    unit = "x" if metric == "speedup" else ""
+    """The promotion rule on one prompt set: :func:`decide_sets` on a set of one."""
+    return decide_sets({ONE_SET: (challenger, champion)}, metric, margin)
+
+
+def decide_sets(results: dict[str, tuple[Evaluation, Evaluation | None]], metric: str = DEFAULT_METRIC,
+                margin: float = DEFAULT_MARGIN, tolerance: float = DEFAULT_TOLERANCE) -> Decision:
+    """The promotion rule (see the module docstring) on ``{set: (challenger, champion or
+    None)}``, each pair measured in one run: exact on every set; with no champion, faster
+    than the target alone by the margin on every set; else better than the champion by the
+    margin on one set and worse by more than ``tolerance`` on none (a single set: better).
+    Pure, so it is tested directly."""
+    _check_rule(metric, margin, tolerance)
+    if not results:
+        raise PromoteError("no prompt set was evaluated")
+    many = len(results) > 1
+    sets = {}
+    for name, (ch, champ) in results.items():
+        x = _set_numbers(ch, champ, metric)
+        sets[name] = {**x, "result": _set_result(x, margin, tolerance), "exact": ch.exact}
+    d = lambda ok, why: Decision(ok, why, metric, margin, tolerance if many else None, sets)  # noqa: E731
+    v = next(iter(results.values()))[0].version
+    inexact = [n for n, (ch, _) in results.items() if not ch.exact]
+    if inexact:
+        return d(False, _inexact_reason(v, inexact[0], results[inexact[0]][0], many))
+    champs = {c.version if c is not None else None for _, c in results.values()}
+    if champs == {None}:  # the bar is the target alone, on every set: serving must not get slower
+        slow = [n for n, x in sets.items() if x["result"] != "better"]
+        return d(not slow, _vs_target_reason(v, results, slow, margin, many))
+    if len(champs) != 1 or None in champs:
+        raise PromoteError(f"prompt sets were measured against different champions: {sorted(map(str, champs))}")
+    c = champs.pop()
+    if c == v:
+        return d(False, f"v{v} is already @{CHAMPION}")
+    wins = [n for n, x in sets.items() if x["result"] == "better"]
+    losses = [n for n, x in sets.items() if x["result"] == "worse"]
+    inexact_champ = [n for n, (_, champ) in results.items() if not champ.exact]
+    return d(bool(wins) and not losses,
+             _vs_champion_reason(v, c, sets, wins, losses, inexact_champ, metric, margin, tolerance))
+
+
+def _set_numbers(ch: Evaluation, champ: Evaluation | None, metric: str) -> dict:
+    """One prompt set's numbers for the decision record: vs the champion, else vs the target alone."""
+    if champ is None:
+        return {"challenger": ch.speedup, "champion": None, "vs": "ar", "metric": "speedup", "gain": ch.speedup - 1}
+    new, old = ch.metric(metric), champ.metric(metric)
     gain = (new / old - 1) if old else float("inf")
-    cmp = (f"{metric} {new:.3f}{unit} vs champion v{champion.version}'s {old:.3f}{unit} "
-           f"({gain:+.1%}; margin {margin:.0%} needs >= {need:.3f}{unit})")
-    if not champion.exact:
-        cmp += f"; note: champion v{champion.version} measured inexact in this run"
-    if new >= need:
-        return d(True, f"v{challenger.version} is exact and better: {cmp}")
-    return d(False, f"v{challenger.version} is exact but not better by the margin: {cmp}")
+    return {"challenger": new, "champion": old, "vs": f"v{champ.version}", "metric": metric, "gain": gain}
+
+
+def _set_result(x: dict, margin: float, tolerance: float) -> str:
+    """How one set counts in the rule: better by the margin, within the tolerance, or worse
+    (against the target alone only better counts)."""
+    bar = 1.0 if x["champion"] is None else x["champion"]
+    if x["challenger"] >= bar * (1 + margin):
+        return "better"
+    if x["champion"] is None or x["challenger"] < bar * (1 - tolerance):
+        return "worse"
+    return "within"
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def decide_sets(results: dict[str, tuple[Evaluation, Evaluation | None]], metric: str = DEFAULT_METRIC,
-                margin: float = DEFAULT_MARGIN, tolerance: float = DEFAULT_TOLERANCE) -> Decision:
-    """The rule on several prompt sets (``{set: (challenger, champion or None)}``, each
-    pair measured in one run; see the module docstring). One set is :func:`decide`
-    exactly. Pure, so it is tested directly."""
-    _check_rule(metric, margin, tolerance)
-    if not results:
-        raise PromoteError("no prompt set was evaluated")
-    if len(results) == 1:
-        (name, (ch, champ)), = results.items()
-        out = decide(ch, champ, metric, margin)
-        out.sets = {name: _set_numbers(ch, champ, metric, margin, tolerance)}
-        return out
-    d = lambda ok, why, sets: Decision(ok, why, metric, margin, tolerance, sets)  # noqa: E731
-    sets = {name: _set_numbers(ch, champ, metric, margin, tolerance) for name, (ch, champ) in results.items()}
-    first = next(iter(results.values()))[0]
-    v = first.version
-    for name, (ch, _) in results.items():
-        if not ch.exact:
-            where = (f" (first mismatch at prompt {ch.first_mismatch[0]}, token {ch.first_mismatch[1]})"
-                     if ch.first_mismatch else "")
-            return d(False, f"v{v} is not exact on {name}: its greedy output differs from the target alone{where}; "
-                            "an inexact drafter is never promoted", sets)
-    champs = {c.version if c is not None else None for _, c in results.values()}
-    if champs == {None}:  # the bar is the target alone, on every set
-        need = 1 + margin
-        desc = "; ".join(f"{n} {ch.speedup:.3f}x (tau {_fmt(ch.tau)})" for n, (ch, _) in results.items())
-        slow = [n for n, (ch, _) in results.items() if ch.speedup < need]
+# ---------------------------------------------------------------------------- the reasons' wording
+# one set reads as one comparison; several name each set
+
+
+def _inexact_reason(v: str, name: str, ch: Evaluation, many: bool) -> str:
+    where = f" (first mismatch at prompt {ch.first_mismatch[0]}, token {ch.first_mismatch[1]})" \
+        if ch.first_mismatch else ""
+    on = f" on {name}" if many else ""
+    return (f"v{v} is not exact{on}: its greedy output differs from the target alone{where}; "
+            "an inexact drafter is never promoted")
+
+
+def _vs_target_reason(v: str, results: dict, slow: list[str], margin: float, many: bool) -> str:
+    need = 1 + margin
+    if not many:
+        ch = next(iter(results.values()))[0]
+        cmp = (f"speedup {ch.speedup:.3f}x vs the target alone (no @{CHAMPION} yet; margin {margin:.0%} "
+               f"needs >= {need:.3f}x), tau {_fmt(ch.tau)}")
         if not slow:
-            return d(True, f"v{v} is exact and faster than the target alone on every prompt set: {desc} (no "
-                           f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x)", sets)
-        return d(False, f"v{v} is exact but not faster than the target alone on {', '.join(slow)}: {desc} (no "
-                        f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x on every set)", sets)
-    if len(champs) != 1 or None in champs:
-        raise PromoteError(f"prompt sets were measured against different champions: {sorted(map(str, champs))}")
-    c = champs.pop()
-    if c == v:
-        return d(False, f"v{v} is already @{CHAMPION}", sets)
-    wins = [n for n, x in sets.items() if x["result"] == "better"]
-    losses = [n for n, x in sets.items() if x["result"] == "worse"]
+            return f"v{v} is exact and faster than the target alone: {cmp}"
+        return f"v{v} is exact but not faster than the target alone: {cmp}"
+    desc = "; ".join(f"{n} {ch.speedup:.3f}x (tau {_fmt(ch.tau)})" for n, (ch, _) in results.items())
+    if not slow:
+        return (f"v{v} is exact and faster than the target alone on every prompt set: {desc} (no "
+                f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x)")
+    return (f"v{v} is exact but not faster than the target alone on {', '.join(slow)}: {desc} (no "
+            f"@{CHAMPION} yet; margin {margin:.0%} needs >= {need:.3f}x on every set)")
+
+
+def _vs_champion_reason(v: str, c: str, sets: dict, wins: list[str], losses: list[str], inexact_champ: list[str],
+                        metric: str, margin: float, tolerance: float) -> str:
     unit = "x" if metric == "speedup" else ""
+    if len(sets) == 1:
+        x = next(iter(sets.values()))
+        need = x["champion"] * (1 + margin)
+        cmp = (f"{metric} {x['challenger']:.3f}{unit} vs champion v{c}'s {x['champion']:.3f}{unit} "
+               f"({x['gain']:+.1%}; margin {margin:.0%} needs >= {need:.3f}{unit})")
+        if inexact_champ:
+            cmp += f"; note: champion v{c} measured inexact in this run"
+        return f"v{v} is exact and better: {cmp}" if wins else f"v{v} is exact but not better by the margin: {cmp}"
 
     def show(n, with_loss=False):
         x = sets[n]
         tail = f", {x['gain']:+.1%} > {tolerance:.0%}" if with_loss else f", {x['gain']:+.1%}"
         return f"{n} ({metric} {x['challenger']:.3f}{unit} vs {x['champion']:.3f}{unit}{tail})"
 
-    inexact = [n for n, (_, champ) in results.items() if not champ.exact]
-    note = f"; note: champion v{c} measured inexact on {', '.join(inexact)}" if inexact else ""
+    note = f"; note: champion v{c} measured inexact on {', '.join(inexact_champ)}" if inexact_champ else ""
     if wins and not losses:
         rest = [n for n in sets if n not in wins]
         within = f"; within {tolerance:.0%} on {', '.join(show(n) for n in rest)}" if rest else ""
-        return d(True, f"v{v} is exact and beats v{c} on {', '.join(show(n) for n in wins)}{within}{note}", sets)
+        return f"v{v} is exact and beats v{c} on {', '.join(show(n) for n in wins)}{within}{note}"
     if wins:
-        return d(False, f"v{v} beats v{c} on {', '.join(show(n) for n in wins)} but loses on "
-                        f"{', '.join(show(n, True) for n in losses)}{note}", sets)
+        return (f"v{v} beats v{c} on {', '.join(show(n) for n in wins)} but loses on "
+                f"{', '.join(show(n, True) for n in losses)}{note}")
     lost = f"; loses more than {tolerance:.0%} on {', '.join(losses)}" if losses else ""
-    return d(False, f"v{v} is exact but not better by the margin on any prompt set (margin {margin:.0%}): "
-                    f"{', '.join(show(n) for n in sets)}{lost}{note}", sets)
-
-
-def _set_numbers(ch: Evaluation, champ: Evaluation | None, metric: str, margin: float, tolerance: float) -> dict:
-    """One prompt set's numbers for the decision record: vs the champion, else vs the target alone."""
-    if champ is None:
-        new, old = ch.speedup, 1.0
-        result = "better" if new >= old * (1 + margin) else "worse"
-        return {"challenger": new, "champion": None, "vs": "ar", "metric": "speedup", "gain": new / old - 1,
-                "result": result, "exact": ch.exact}
-    new, old = ch.metric(metric), champ.metric(metric)
-    gain = (new / old - 1) if old else float("inf")
-    result = ("better" if new >= old * (1 + margin) else "worse" if new < old * (1 - tolerance) else "within")
-    return {"challenger": new, "champion": old, "vs": f"v{champ.version}", "metric": metric, "gain": gain,
-            "result": result, "exact": ch.exact}
+    return (f"v{v} is exact but not better by the margin on any prompt set (margin {margin:.0%}): "
+            f"{', '.join(show(n) for n in sets)}{lost}{note}")
 
 
 # ============================================================================ the job
@@ -259,7 +274,7 @@ class PromoteConfig:
         if self.lookup_block < 0:
             raise PromoteError(f"--lookup-block: expected an integer >= 0 (0 or 1: off), got {self.lookup_block}")
         if self.block_size is not None:
-            from specdec.drafter import check_block_size
+            from specdec.checkpoint_format import check_block_size
 
             try:
                 check_block_size(self.block_size, "--block-size")
@@ -485,10 +500,6 @@ def rollback(tracking_uri: str | None, name: str) -> Rollback:
     return Rollback(name, champion or "-", previous, champion or "-")
 
 
-LIST_COLUMNS = ("version", "aliases", "created", "target", "run", "context", "parent", "tau", "speedup", "exact",
-                "vs", "decision")
-
-
 def list_versions(tracking_uri: str | None, name: str) -> list[dict]:
     """One row per version (newest first): aliases, lineage, last evaluation, decision."""
     uri = registry.resolve_tracking_uri(tracking_uri)
@@ -513,44 +524,3 @@ def list_versions(tracking_uri: str | None, name: str) -> list[dict]:
             "run_id": mv.run_id, "source": mv.source,
         })
     return rows
-
-
-def format_table(rows: list[dict], columns=LIST_COLUMNS) -> str:
-    cells = [[str(r[c]) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(columns)] + [line(r) for r in cells])
-
-
-def format_evaluation(outcome: Outcome) -> str:
-    """The side-by-side table (one per prompt set) and the decision, for the terminal."""
-    lines = []
-    for r in (outcome.reports or {"": outcome.report}).values():
-        cfg = r["config"]
-        lines += [f"{outcome.model} at {outcome.tracking_uri}: challenger v{outcome.challenger} vs "
-                  + (f"@{CHAMPION} v{outcome.champion_before}" if outcome.champion_before else "no champion")
-                  + f" | {cfg['num_prompts_used']} prompts from {cfg['prompts']}, {cfg['max_new_tokens']} new tokens "
-                  "each, greedy, one interleaved run",
-                  f"{'method':<14}{'role':<12}{'block':>6}{'tok/s':>10}{'speedup':>9}{'tau':>7}  exact"]
-        for x in r["results"]:
-            exact = "-" if x["method"] == "ar" else str(r["exactness"]["equal"][x["method"]]).lower()
-            lines.append(f"{x['method']:<14}{x['role']:<12}{x['block_size'] or '-':>6}{x['tokens_per_s']:>10.2f}"
-                         f"{x['speedup_vs_ar']:>8.3f}x{_fmt(x['tau_mean']):>7}  {exact}")
-        for m, c in r["cost_terms"].items():
-            if m != "L_ar_s":
-                lines.append(f"cost terms {m}: tau {c['tau']:.2f} vs r_d+r_v+r_o = {c['r_d']:.2f}+{c['r_v']:.2f}+"
-                             f"{c['r_o']:.2f} -> predicted {c['predicted_speedup']:.2f}x")
-    d = outcome.decision
-    verdict = ("PROMOTED" if outcome.promoted else "WOULD PROMOTE (dry run, aliases untouched)" if d.promote
-               else "REFUSED")
-    rule = f"{d.metric}, margin {d.margin:.0%}" + (f", tolerance {d.tolerance:.0%}" if d.tolerance is not None else "")
-    lines.append(f"decision ({rule}): {verdict}: {d.reason}")
-    if outcome.promoted:
-        lines.append(f"aliases: @{CHAMPION} -> v{outcome.challenger}"
-                     + (f", @{PREVIOUS} -> v{outcome.champion_before}" if outcome.champion_before else ""))
-    if len(outcome.run_ids) > 1:
-        lines.append("evaluation runs: " + ", ".join(f"{k} {v}" for k, v in outcome.run_ids.items())
-                     + f" (experiment {outcome.experiment})")
-    else:
-        lines.append(f"evaluation run: {outcome.run_id} (experiment {outcome.experiment})")
-    return "\n".join(lines)

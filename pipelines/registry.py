@@ -182,8 +182,10 @@ def register_directory(tracking_uri: str, name: str, drafter_dir: str | Path) ->
     running it twice adds nothing. ``FileNotFoundError`` when it is not a drafter directory."""
     import json
 
+    from specdec.checkpoint import is_drafter_dir
+
     d = Path(drafter_dir)
-    if not ((d / "config.json").is_file() and (d / "model.safetensors").is_file()):
+    if not is_drafter_dir(d):
         raise FileNotFoundError(f"{d}: not a drafter directory (expected config.json and model.safetensors)")
     digest, where = sha256_bytes((d / "model.safetensors").read_bytes()), str(d.resolve())
     c = client(tracking_uri)
@@ -489,9 +491,11 @@ def resolve_drafter(tracking_uri: str, uri: str, dst: str | Path | None = None) 
 
 def find_drafter_dir(root: str | Path) -> Path:
     """The directory under ``root`` (root itself first) that holds a drafter checkpoint."""
+    from specdec.checkpoint import is_drafter_dir
+
     root = Path(root)
     for cand in [root, *sorted(p.parent for p in root.rglob("config.json"))]:
-        if (cand / "config.json").is_file() and (cand / "model.safetensors").is_file():
+        if is_drafter_dir(cand):
             return cand
     raise FileNotFoundError(f"no drafter checkpoint (config.json + model.safetensors) under {root}")
 

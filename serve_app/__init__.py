@@ -1,7 +1,7 @@
 """Ray Serve application serving a target with its DFlash drafter behind an OpenAI API.
 
     serve run serve_app:app                                  # embedded SmolLM2, defaults
-    serve run serve_app:build_app drafter=/path/to/drafter max_replicas=4
+    serve run serve_app:build_app drafter=/path/to/drafter max_replicas=4 speculation=auto
     serve deploy serve_app/config.yaml                       # every setting in one file
 
 ``build_app(args)`` is the app builder: ``args`` are the fields of
@@ -25,10 +25,10 @@ __all__ = ["app", "build_app", "ServeConfig"]
 def build_app(args: dict | None = None):
     """App builder for ``serve run serve_app:build_app key=value ...`` and config.yaml."""
     cfg = load_config(args)
-    if cfg.speculation_requested and cfg.tracking_uri is None and (cfg.drafter_source or "").startswith("models:/"):
-        from pipelines.registry import resolve_tracking_uri
+    if cfg.speculation_requested:
+        from serve_app.registry import pin_tracking_uri
 
-        cfg = cfg.model_copy(update={"tracking_uri": resolve_tracking_uri()})  # pin the driver's registry, absolute
+        cfg = pin_tracking_uri(cfg)  # every replica and engine node reads the driver's registry
     if cfg.backend == "vllm":
         from serve_app.vllm_app import build_vllm_app
 

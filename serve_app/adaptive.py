@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-#: Cost prior from DESIGN.md (SmolLM2 on CPU): verifying 16 tokens costs ~1.7 decode steps,
+#: Cost prior from docs/serving.md (SmolLM2 on CPU): verifying 16 tokens costs ~1.7 decode steps,
 #: i.e. verify(n) ~ a * (1 + 0.047 * n). Only used until measurements pin the slope down.
 VERIFY_SLOPE_PRIOR = 0.047
 #: Before the first drafter pass is timed: a drafter pass costs this fraction of a verify.
@@ -194,9 +194,9 @@ def probe_interval(cost: CostModel, rows: int, probe_k: int, budget: float,
 class BlockSizeController:
     """Chooses the block size for the next engine step and learns from its outcome.
 
-    ``mode``: "auto" (adaptive), "off" (always AR) or an int (fixed block size, capped
-    by the drafter's block). ``max_block`` is the drafter's block size B (1 without a
-    drafter, which forces "off").
+    ``mode``: the serving ``speculation`` as ``ServeConfig`` validated it: "auto"
+    (adaptive), "off" (always AR) or N >= 2 (a fixed block, capped by the drafter's).
+    ``max_block`` is the drafter's block size B (1 without a drafter, which forces "off").
     """
 
     def __init__(self, max_block: int, mode: str | int = "auto", cost: CostModel | None = None,
@@ -221,7 +221,7 @@ class BlockSizeController:
         if self.max_block <= 1 or self.mode == "off":
             return 1
         if self.mode != "auto":
-            return max(1, min(int(self.mode), self.max_block))
+            return min(int(self.mode), self.max_block)
         k, self.expected_speedup = choose_block_size(self.acceptance.survival(), self.cost, rows,
                                                      self.max_block, self.margin)
         self._probing = False

@@ -8,7 +8,7 @@ Every replica publishes, through ``record_autoscaling_stats()``:
 * ``tokens_per_s`` -- tokens it sent to clients per second.
 
 Serve averages each over ``look_back_period_s`` and calls the policy with them. The
-policy (documented in serve_app/README.md):
+policy (documented in docs/serving.md):
 
     load     = max(total requests Serve counts for the deployment, sum_i ongoing_i)
     tau_bar  = sum_i tau_i * tps_i / sum_i tps_i      (mean tau if nobody is emitting)

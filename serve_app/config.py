@@ -31,14 +31,15 @@ class ServeConfig(BaseModel):
     seed: int | None = None
 
     # ---------------------------------------------------------------- speculation
-    block_size: int | Literal["auto", "off"] = Field(
-        "auto", description="'auto': each replica picks the block size (1 = off) from measured acceptance "
-        "and concurrency; an int: fixed block size; 'off': plain AR decoding")
+    speculation: int | Literal["auto", "off"] = Field(
+        "auto", description="The serving mode. 'auto': each replica picks the block to verify (1 = off) from "
+        "measured acceptance and concurrency; N (an int >= 2): always verify blocks of N tokens (at most the "
+        "drafter's B); 'off': plain AR decoding")
     lookup_block: int = Field(8, ge=0, description="Prompt lookup beside the drafter: where a row's context "
                               "repeats its last 2-4 tokens, the block is the continuation found there, up to "
                               "lookup_block tokens (the drafter drafts its own B elsewhere); 0 or 1: the drafter "
-                              "alone. Exact like any draft; the block-size controller still decides whether to "
-                              "speculate at all")
+                              "alone. Exact like any draft; with speculation 'auto' the controller still decides "
+                              "whether to speculate at all")
 
     # ---------------------------------------------------------------- limits
     max_batch_size: int = Field(16, ge=1, description="Rows a replica's engine decodes together")
@@ -82,22 +83,30 @@ class ServeConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     vllm_engine_kwargs: dict = Field(default_factory=dict, description="Extra vLLM engine arguments")
 
-    @field_validator("block_size", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _block_size(cls, v):
+    def _renamed(cls, data):
+        # block_size now only names a drafter's B; the serving mode has its own key
+        if isinstance(data, dict) and "block_size" in data:
+            raise ValueError("block_size was renamed to speculation (auto|off|N), the serving mode; block_size "
+                             "now only means a drafter's B")
+        return data
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _speculation(cls, v):
+        """The one check of the serving mode: 'auto', 'off' or N >= 2 (CLI strings
+        coerced; 'none', 0 and 1 mean off)."""
         if isinstance(v, str) and v.strip().lower() in ("auto", "off", "none", "0", "1"):
-            v = v.strip().lower()
-            return "off" if v in ("none", "0", "1", "off") else "auto"
+            return "auto" if v.strip().lower() == "auto" else "off"
         if isinstance(v, str):
             try:
                 v = int(v)
             except ValueError:
-                raise ValueError(f"block_size must be 'auto', 'off' or an integer >= 2, got {v!r}") from None
+                raise ValueError(f"speculation must be 'auto', 'off' or an integer >= 2, got {v!r}") from None
         if isinstance(v, int) and not isinstance(v, bool):
-            if v <= 1:
-                return "off"
-            return v
-        raise ValueError(f"block_size must be 'auto', 'off' or an integer >= 2, got {v!r}")
+            return "off" if v <= 1 else v
+        raise ValueError(f"speculation must be 'auto', 'off' or an integer >= 2, got {v!r}")
 
     @field_validator("drafter", mode="before")
     @classmethod
@@ -129,8 +138,8 @@ class ServeConfig(BaseModel):
 
     @property
     def reference_drafter(self) -> str | None:
-        """With drafter 'auto' and an embedded target: the packaged reference drafter, used
-        until the registry has a champion."""
+        """With drafter 'auto' and an embedded target: the packaged reference drafter
+        (``serve_app.registry.choose_drafter`` serves it until the registry has a champion)."""
         from specdec.assets import reference_drafter_for
 
         path = reference_drafter_for(self.target) if self.drafter == "auto" else None
@@ -138,7 +147,7 @@ class ServeConfig(BaseModel):
 
     @property
     def speculation_requested(self) -> bool:
-        return self.block_size != "off" and self.drafter is not None
+        return self.speculation != "off" and self.drafter is not None
 
     @property
     def replica_max_ongoing_requests(self) -> int:

@@ -202,7 +202,7 @@ class OpenAIIngress:
         card = {"id": self.limits.model_name, "object": "model", "created": 0, "owned_by": "dflash-ray",
                 "backend": self.cfg.backend, "max_model_len": info.get("context_length"),
                 "drafter": info.get("drafter"), "drafter_error": info.get("drafter_error"),
-                "speculation": str(self.cfg.block_size)}  # auto | off | a fixed block (drafter's B: drafter.block_size)
+                "speculation": str(self.cfg.speculation)}  # auto | off | a fixed block (drafter's B: drafter.block_size)
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specdec.sampling import API_DEFAULT_TEMPERATURE, check_temperature
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
 
@@ -47,7 +49,7 @@ class GenerationJob:
     max_tokens: int
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
-    temperature: float = 1.0
+    temperature: float = API_DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
@@ -216,13 +218,15 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
                             f"{limits.max_tokens_limit} this server allows.", param=name,
                        code="integer_above_max_value")
 
-    temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
+    temperature = body.get("temperature")
+    temperature = API_DEFAULT_TEMPERATURE if temperature is None else temperature
     if not _is_number(temperature):
         raise _type_error("temperature", temperature, "a number")
-    if temperature < 0 or temperature > 2:
-        raise APIError(400, f"Invalid 'temperature': {temperature} is outside [0, 2].", param="temperature",
-                       code="decimal_below_min_value" if temperature < 0 else "decimal_above_max_value")
+    try:
+        temperature = check_temperature(temperature)  # the library's one rule, as an OpenAI 400
+    except ValueError as e:
+        raise APIError(400, f"Invalid 'temperature': {e}.", param="temperature",
+                       code="decimal_below_min_value" if temperature < 0 else "decimal_above_max_value") from None
 
     top_p = body.get("top_p", 1.0)
     top_p = 1.0 if top_p is None else top_p
@@ -267,7 +271,7 @@ def _common(body: dict, limits: Limits, kind: str) -> dict:
     _check_unimplemented(body, _UNIMPLEMENTED_CHAT if kind == "chat" else _UNIMPLEMENTED_COMPLETION)
 
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    return dict(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=float(top_p), top_k=int(top_k),
                 stop=stop, stream=stream, include_usage=include_usage,
                 id=f"{prefix}-{uuid.uuid4().hex[:24]}", created=int(time.time()))
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from ray import serve
 
 from serve_app.config import load_config
 from serve_app.protocol import APIError, GenerationJob
 
-REFERENCE_VERSION = "reference"  # the version label of the packaged reference drafter
+if TYPE_CHECKING:
+    from serve_app.registry import DrafterChoice
 
 log = logging.getLogger("ray.serve")
 
@@ -89,7 +91,7 @@ class DFlashReplica:
 
         from serve_app import backends
         from serve_app.metrics import ReplicaMetrics
-        from serve_app.registry import DrafterSource
+        from serve_app.registry import choose_drafter
         from serve_app.worker import EngineWorker
 
         self.cfg = load_config(config)
@@ -100,49 +102,36 @@ class DFlashReplica:
         except Exception:  # local testing mode
             self.replica_id = "local"
         self.target = await asyncio.to_thread(backends.load_target, self.cfg)
-        self.source = (DrafterSource(self.cfg.drafter_source, self.cfg.tracking_uri)
-                       if self.cfg.speculation_requested else None)
+        choice = await asyncio.to_thread(choose_drafter, self.cfg)
+        choice.log_to(log)
+        self.source = choice.source  # a registry alias is followed even while serving the reference or none
         self.drafter_error: str | None = None
-        drafter, version = await asyncio.to_thread(self._initial_drafter)
+        drafter = await asyncio.to_thread(self._load_drafter, choice)
+        version = choice.version if drafter is not None else ""
         self._seen_version = version
         self.metrics = ReplicaMetrics(max_block=1)  # the worker sizes it for its engine's block
         self.metrics.drafter = {"source": (self.cfg.drafter_source or "") if drafter is not None else "",
                                 "version": version}
-        self.worker = EngineWorker(self.target, drafter, version, mode=self.cfg.block_size,
+        self.worker = EngineWorker(self.target, drafter, version, mode=self.cfg.speculation,
                                    max_batch_size=self.cfg.max_batch_size,
                                    max_prefill_tokens=self.cfg.max_prefill_tokens, seed=self.cfg.seed,
                                    metrics=self.metrics, lookup_block=self.cfg.lookup_block)
         self._tasks = [asyncio.create_task(self._publish_metrics())]
         if self.source is not None and self.source.registry and self.cfg.registry_poll_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_registry()))
-        log.info("DFlashReplica %s ready: target %s, drafter %s (version %s), block_size=%s",
+        log.info("DFlashReplica %s ready: target %s, drafter %s (version %s), speculation=%s",
                  self.replica_id, self.cfg.served_model_name, self.cfg.drafter_source if drafter else None,
-                 version or "-", self.cfg.block_size)
+                 version or "-", self.cfg.speculation)
 
     # ------------------------------------------------------------------ drafter
-    def _initial_drafter(self):
-        """(drafter, version): the configured one; with 'auto' and no champion yet, the
-        packaged reference drafter of an embedded target (version "reference")."""
+    def _load_drafter(self, choice: DrafterChoice):
+        """The chosen drafter (``serve_app.registry.choose_drafter``), fetched on this node
+        and checked against the target, or None."""
         from serve_app.backends import load_paired_drafter
-        from serve_app.registry import DrafterNotFound
 
-        if self.source is None:
-            return None, ""
-        try:
-            resolved = self.source.fetch()
-        except DrafterNotFound as e:
-            if self.cfg.drafter != "auto":
-                raise
-            reference = self.cfg.reference_drafter
-            if reference is not None:  # until a champion is registered (the watcher swaps it in)
-                log.info("no drafter at %s yet; serving the packaged reference drafter %s", self.cfg.drafter_source,
-                         reference)
-                return load_paired_drafter(reference, self.target, device=self.cfg.device), REFERENCE_VERSION
-            log.warning("no drafter at %s (%s); serving without speculation until one is registered",
-                        self.cfg.drafter_source, e)
-            return None, ""
+        path = choice.fetch()
         # raises DrafterMismatchError (naming the field) for a drafter of another target
-        return load_paired_drafter(resolved.path, self.target, device=self.cfg.device), resolved.version
+        return load_paired_drafter(path, self.target, device=self.cfg.device) if path is not None else None
 
     async def _watch_registry(self) -> None:
         from serve_app.backends import load_paired_drafter
@@ -260,7 +249,7 @@ class DFlashReplica:
                             "version": self.worker.drafter_version or None,
                             "block_size": self.worker.max_block,
                             "generations": self.worker.generations},
-                "drafter_error": self.drafter_error, "speculation": self.cfg.block_size,
+                "drafter_error": self.drafter_error, "speculation": self.cfg.speculation,
                 "queue_depth": waiting, "active_requests": live,
                 "context_length": self.target.max_positions, "backend": "hf"}
 

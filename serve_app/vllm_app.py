@@ -11,9 +11,10 @@ What differs from the ``hf`` backend, and why:
   registry version is downloaded into that node's drafter cache, a directory is checked
   there, and only then does its local path go into ``speculative_config.model``. The app
   builder only pins the registry alias to a version (every replica serves the same one).
-* vLLM fixes the number of drafted tokens at engine start: ``block_size`` "auto" means the
-  drafter's own B, and the drafter does not follow a moving alias (redeploy to pick up a
-  new champion).
+* The drafter is the one :func:`serve_app.registry.choose_drafter` picks, as on the hf
+  backend, but vLLM fixes the number of drafted tokens at engine start: ``speculation``
+  "auto" means the drafter's own B, and the drafter does not follow a moving alias
+  (redeploy to pick up a new champion).
 * Autoscaling: Serve's default ongoing-requests policy (Ray Serve LLM's server does not
   publish the acceptance our policy needs).
 * Our ingress subclass (:func:`checked_ingress_class`) keeps what the hf backend promises
@@ -29,9 +30,13 @@ What differs from the ``hf`` backend, and why:
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serve_app.config import ServeConfig
 from specdec.assets import EMBEDDED_NAMES
+
+if TYPE_CHECKING:
+    from serve_app.registry import DrafterChoice
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +64,8 @@ def check_settings(cfg: ServeConfig) -> None:
     for name in UNSUPPORTED:
         if getattr(cfg, name) != ServeConfig.model_fields[name].get_default(call_default_factory=True):
             raise UnsupportedSetting(f"{name} is not supported by backend=vllm: {UNSUPPORTED[name]}")
-    if isinstance(cfg.block_size, int) and cfg.drafter is None:
-        raise UnsupportedSetting("block_size: a fixed block size needs a drafter (drafter=none was given)")
+    if isinstance(cfg.speculation, int) and cfg.drafter is None:
+        raise UnsupportedSetting("speculation: a fixed block needs a drafter (drafter=none was given)")
 
 
 def on_cpu(cfg: ServeConfig) -> bool:
@@ -80,14 +85,14 @@ def resolve_on_node(source: dict) -> tuple[str, int]:
     """(local drafter directory, B) for a drafter source on THIS node: a registry version
     is downloaded into this node's drafter cache; a directory must exist here."""
     from pipelines import registry
-    from specdec.checkpoint import read_config
+    from specdec.checkpoint import is_drafter_dir, read_config
 
     if source["kind"] == "registry":
         path = registry.find_drafter_dir(
             registry.download_version(source["tracking_uri"], source["name"], source["version"]))
     else:
         path = Path(source["path"])
-        if not (path / "config.json").is_file():
+        if not is_drafter_dir(path):
             import socket
 
             raise FileNotFoundError(
@@ -103,8 +108,8 @@ def drafter_on_node_class():
     class DrafterOnNode(base):
         """Runs on the replica's node before vLLM starts: prepares the embedded target there
         (``embedded_target``: its safetensors cache is per node), fetches the drafter and
-        points ``speculative_config.model`` at the local copy (``source``; ``block_size``
-        None for the drafter's own B)."""
+        points ``speculative_config.model`` at the local copy (``source``; ``speculation``:
+        the block to verify, None for the drafter's own B)."""
 
         async def on_before_node_init(self) -> None:
             if self.kwargs.get("embedded_target"):
@@ -114,7 +119,7 @@ def drafter_on_node_class():
             if self.kwargs.get("source") is None:
                 return
             path, drafter_b = resolve_on_node(self.kwargs["source"])
-            block = self.kwargs.get("block_size") or drafter_b
+            block = self.kwargs.get("speculation") or drafter_b
             spec = self.llm_config.engine_kwargs["speculative_config"]
             spec.update(model=path, num_speculative_tokens=int(block) - 1)
             log.info("DFlash drafter for this engine: %s (B=%d)", path, block)
@@ -180,27 +185,17 @@ def checked_ingress_class():
 
 
 # ---------------------------------------------------------------------- the LLMConfig
-def drafter_source(cfg: ServeConfig) -> dict | None:
-    """What the engine nodes fetch, decided once where the app is built: a registry alias
-    pinned to its current version, a directory made absolute, or None (no speculation)."""
-    from serve_app.registry import DrafterNotFound, DrafterSource
-
-    if not cfg.speculation_requested:
+def node_source(choice: "DrafterChoice") -> dict | None:
+    """What the engine nodes fetch (:class:`DrafterOnNode`), decided once where the app is
+    built: the chosen registry version (every replica serves the same one), a directory, or
+    None (no speculation)."""
+    if choice.kind == "none":
         return None
-    src = DrafterSource(cfg.drafter_source, cfg.tracking_uri)
-    if src.registry:
-        try:
-            version = src.current_version()
-            return {"kind": "registry", "tracking_uri": src.tracking_uri, "name": src.name, "version": version,
-                    "uri": cfg.drafter_source}
-        except DrafterNotFound:
-            if cfg.drafter != "auto":
-                raise
-            if cfg.reference_drafter is None:
-                log.warning("no drafter registered as %s; serving without speculation", cfg.drafter_source)
-                return None
-            return {"kind": "path", "path": str(Path(cfg.reference_drafter).resolve())}
-    return {"kind": "path", "path": str(Path(cfg.drafter_source).expanduser().resolve())}
+    if choice.kind == "registry":
+        src = choice.source
+        return {"kind": "registry", "tracking_uri": src.tracking_uri, "name": src.name, "version": choice.version,
+                "uri": src.source}
+    return {"kind": "path", "path": choice.path}
 
 
 def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> dict:
@@ -235,7 +230,7 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
             out["accelerator_type"] = cfg.accelerator_type
         if cfg.replica_resources:
             out["placement_group_config"] = {"bundle_per_worker": {"GPU": 1, **cfg.replica_resources}}
-    block = cfg.block_size if isinstance(cfg.block_size, int) else None  # None: the drafter's B
+    block = cfg.speculation if isinstance(cfg.speculation, int) else None  # None: the drafter's B
     if source is not None:
         # model and num_speculative_tokens are set again on the engine's node (DrafterOnNode);
         # these are what tools reading the config before the engine starts see
@@ -245,7 +240,7 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     if source is not None or embedded:
         out["callback_config"] = {"callback_class": "serve_app.vllm_app:DrafterOnNode",
                                   "callback_kwargs": {"source": source, "embedded_target": embedded,
-                                                      "block_size": block}}
+                                                      "speculation": block}}
     engine_kwargs.update(cfg.vllm_engine_kwargs)
     return out
 
@@ -266,10 +261,13 @@ def build_vllm_app(cfg: ServeConfig):
     """The Ray Serve LLM OpenAI app for ``cfg`` (needs vLLM and ``ray[llm]``'s Python deps)."""
     from ray.serve.llm import LLMConfig, build_openai_app
 
+    from serve_app.registry import choose_drafter
     from specdec.target import resolve_target_path
 
     check_settings(cfg)
-    source = drafter_source(cfg)
+    choice = choose_drafter(cfg)
+    choice.log_to(log)
+    source = node_source(choice)
     llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), source))
     return build_openai_app({
         "llm_configs": [llm_config],

@@ -23,7 +23,7 @@ from collections import deque
 
 
 from specdec.engine import Engine, Request
-from specdec.lookup import HybridProposer, drafter_proposer, engine_block
+from specdec.proposers import HybridProposer, drafter_proposer, engine_width
 
 from serve_app.adaptive import BlockSizeController, CostModel
 from serve_app.metrics import ReplicaMetrics
@@ -93,7 +93,7 @@ class _Generation:
         self.version = version
         B = int(drafter.config.block_size) if drafter is not None else 1
         self.proposer = drafter_proposer(drafter, target, B, lookup_block) if drafter is not None else None
-        self.max_block = engine_block(B, lookup_block) if drafter is not None else 1
+        self.max_block = engine_width(B, lookup_block) if drafter is not None else 1
         self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
         self.controller = BlockSizeController(B, mode if drafter is not None else "off", cost,
                                               lookup_block=lookup_block)

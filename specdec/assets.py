@@ -56,8 +56,10 @@ def target_slug(model: str | None) -> str:
 def reference_drafter(slug: str = "smollm2-135m", root: Path | None = None) -> Path | None:
     """The reference drafter trained by this project for an embedded target, if shipped
     (``specdec/drafters/<slug>/``; how it was trained is in its config lineage)."""
+    from specdec.checkpoint import is_drafter_dir  # here: checkpoint loads torch, assets stays light
+
     path = (root or REFERENCE_DRAFTERS) / slug
-    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None
+    return path if is_drafter_dir(path) else None
 
 
 def reference_drafter_for(target: str | None) -> Path | None:

@@ -1,6 +1,6 @@
-"""Drafter checkpoints in the published DFlash layout: ``config.json`` +
-``model.safetensors`` with the tensor names vLLM and SGLang load. Never executes code
-from the checkpoint; tensors load through safetensors only."""
+"""Drafter checkpoints in the published DFlash layout: ``config.json`` (its format is
+checkpoint_format.py) + ``model.safetensors`` with the tensor names vLLM and SGLang load.
+Never executes code from the checkpoint; tensors load through safetensors only."""
 
 from __future__ import annotations
 
@@ -10,12 +10,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.checkpoint_format import DrafterConfig
 from specdec.draft_vocab import load_vocab, remove_vocab, save_vocab
-from specdec.drafter import DFlashDrafter, DrafterConfig
+from specdec.drafter import DFlashDrafter
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 class DrafterMismatchError(ValueError):
     """A drafter that cannot run against the given target; the message names the field."""
+
+
+def is_drafter_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a drafter checkpoint: ``config.json`` and ``model.safetensors``
+    (the one test; ``draft_vocab.json`` is optional)."""
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -29,10 +39,10 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
         raise ValueError(f"drafter must not carry embedding/LM head tensors: {bad}")
     cfg = drafter.config.to_hf_dict()
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    tmp = out / "model.safetensors.tmp"
+    tmp = out / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    tmp.replace(out / WEIGHTS_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True))
     if drafter.draft_vocab is not None:
         save_vocab(drafter.draft_vocab, out)
     else:
@@ -43,7 +53,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
 def read_config(path: str | Path) -> DrafterConfig:
     """A drafter directory's ``config.json`` as a ``DrafterConfig``; an unreadable or
     unsupported config raises ``DrafterMismatchError`` naming the file and field."""
-    cfg_file = Path(path) / "config.json"
+    cfg_file = Path(path) / CONFIG_FILE
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} is not a drafter directory (no config.json)")
     try:
@@ -57,11 +67,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     """Load a drafter directory (ours or a published one). With ``target``, check that it
     fits; ``dtype`` None computes at the target's dtype (else at the stored one)."""
     path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not cfg_file.exists() or not weights.exists():
-        raise FileNotFoundError(f"{path} is not a drafter directory (need config.json and model.safetensors)")
+    if not is_drafter_dir(path):
+        raise FileNotFoundError(f"{path} is not a drafter directory (need {CONFIG_FILE} and {WEIGHTS_FILE})")
     cfg = read_config(path)
-    state = load_file(str(weights), device="cpu")
+    state = load_file(str(path / WEIGHTS_FILE), device="cpu")
     state = {k.removeprefix("model."): v for k, v in state.items()
              if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head"))}
     stored = next(iter(state.values())).dtype

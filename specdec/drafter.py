@@ -10,207 +10,13 @@ target's frozen input embedding and LM head (it owns neither).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-MIN_BLOCK_SIZE = 2  # the anchor and at least one drafted token
-FULL, SLIDING = "full_attention", "sliding_attention"  # the published per-layer kinds
-
-
-def check_block_size(value, name: str = "block_size") -> int:
-    """The one rule for a block size B (every entry point calls it): an integer >= 2."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_BLOCK_SIZE:
-        raise ValueError(f"{name} must be an integer >= {MIN_BLOCK_SIZE}, got {value!r}")
-    return value
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    num_target_layers: int
-    num_hidden_layers: int = 1
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    max_position_embeddings: int = 32768
-    target_hidden_size: int | None = None
-    # sliding-window draft attention: a query at position i sees context positions j > i - W
-    # (the last W positions, itself included), as vLLM and flash-attention windows compute;
-    # layer_types null means every layer sliding when sliding_window is set, else all full
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None
-    extra: dict = field(default_factory=dict)  # our lineage, stored under "dflash_ray"
-
-    def __post_init__(self):
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        check_block_size(self.block_size)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.layer_types = check_layer_types(self.layer_types, self.sliding_window, self.num_hidden_layers,
-                                             self.block_size, self.max_position_embeddings)
-
-    @property
-    def layer_windows(self) -> list[int | None]:
-        """Each draft layer's window W (None: full attention)."""
-        return [self.sliding_window if kind == SLIDING else None for kind in self.layer_types]
-
-    @property
-    def num_features(self) -> int:
-        return len(self.target_layer_ids)
-
-    # The published DFlash layout (vLLM and SGLang read these keys; never rename them).
-    def to_hf_dict(self) -> dict:
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": self.num_hidden_layers,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            # explicit, so engines that default differently (vLLM: sliding/causal per layer
-            # type) run what we trained
-            "layer_types": list(self.layer_types),
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "target_hidden_size": self.target_hidden_size,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": self.target_layer_ids,
-                "block_size": self.block_size,
-                # vLLM makes sliding layers causal unless told; ours are bidirectional in the block
-                **({"causal": False, "swa_window_size": self.sliding_window} if self.sliding_window else {}),
-            },
-            # Qwen3Config keeps sliding_window only with use_sliding_window (the official code reads it)
-            **({"sliding_window": self.sliding_window, "use_sliding_window": True} if self.sliding_window else {}),
-            "dflash_ray": self.extra,
-        }
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        dfc = d.get("dflash_config") or {}
-        refuse_unsupported_attention(d)
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-                               "vocab_size") if k not in d]
-        if "mask_token_id" not in dfc:
-            missing.append("dflash_config.mask_token_id")
-        if missing:
-            raise ValueError(f"drafter config.json lacks required field(s): {', '.join(missing)}")
-        layer_ids = dfc.get("target_layer_ids") or d.get("target_layer_ids")
-        num_target_layers = d.get("num_target_layers")
-        if layer_ids is None:
-            from specdec.target import default_target_layer_ids
-            layer_ids = default_target_layer_ids(num_target_layers, d["num_hidden_layers"])
-        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
-        n_heads = d["num_attention_heads"]
-        window, layer_types = published_window(d)
-        return cls(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads", n_heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads, vocab_size=d["vocab_size"],
-            mask_token_id=int(dfc["mask_token_id"]), target_layer_ids=list(layer_ids),
-            num_target_layers=int(num_target_layers or max(layer_ids) + 4),
-            num_hidden_layers=d["num_hidden_layers"],
-            block_size=int(dfc.get("block_size") or d.get("block_size") or 16),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            target_hidden_size=d.get("target_hidden_size"), sliding_window=window, layer_types=layer_types,
-            extra=dict(d.get("dflash_ray") or {}),
-        )
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def check_layer_types(layer_types: list[str] | None, window: int | None, num_layers: int, block_size: int,
-                      max_positions: int) -> list[str]:
-    """The per-layer attention kinds, validated against the window (errors name the field)."""
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < block_size:
-            raise ValueError(f"sliding_window: expected an int >= block_size ({block_size}; a block must see "
-                             f"itself whole), got {window!r}")
-        if window > max_positions:
-            raise ValueError(f"sliding_window: {window} is larger than the context "
-                             f"(max_position_embeddings {max_positions})")
-    if layer_types is None:
-        return [SLIDING if window else FULL] * num_layers
-    layer_types = list(layer_types)
-    if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types: expected {num_layers} entries (one per draft layer), got {len(layer_types)}")
-    for i, kind in enumerate(layer_types):
-        if kind not in (FULL, SLIDING):
-            raise ValueError(f"layer_types[{i}]: expected {FULL!r} or {SLIDING!r}, got {kind!r}")
-    if SLIDING in layer_types and window is None:
-        raise ValueError("sliding_window: layer_types has 'sliding_attention' layers but no window is set")
-    return layer_types
-
-
-def published_window(d: dict) -> tuple[int | None, list[str] | None]:
-    """(window, layer_types) of a published config, resolved as vLLM resolves them:
-    ``dflash_config.use_swa`` makes every layer sliding; the window comes from
-    ``dflash_config.swa_window_size`` or the top-level ``sliding_window``."""
-    dfc = d.get("dflash_config") or {}
-    layer_types = d.get("layer_types")
-    n = d.get("num_hidden_layers")
-    if dfc.get("use_swa") and (not layer_types or SLIDING not in layer_types):
-        layer_types = [SLIDING] * int(n or len(layer_types or []) or 1)
-    sliding = bool(layer_types) and SLIDING in layer_types
-    window = (dfc.get("swa_window_size") or d.get("sliding_window")) if sliding else None
-    if sliding and window is None:
-        raise ValueError("drafter config.json: layer_types has 'sliding_attention' layers but neither "
-                         "dflash_config.swa_window_size nor sliding_window gives the window")
-    return window, layer_types
-
-
-def refuse_unsupported_attention(d: dict) -> None:
-    """Published drafters may ask for causal draft layers, attention sinks or scaled RoPE;
-    this engine computes bidirectional in-block attention (full or sliding-window) with
-    plain RoPE, so running such a checkpoint would silently draft something else. Refuse
-    it, naming the field."""
-    dfc = d.get("dflash_config") or {}
-    for i, kind in enumerate(d.get("layer_types") or []):
-        if kind not in (FULL, SLIDING):
-            raise ValueError(f"drafter config.json: layer_types[{i}]={kind!r} is not supported "
-                             f"(only {FULL!r} and {SLIDING!r} draft layers)")
-    for name, value in (("dflash_config.causal", dfc.get("causal")), ("is_causal", d.get("is_causal"))):
-        if value:
-            raise ValueError(f"drafter config.json: {name}={value!r} is not supported "
-                             "(this engine's draft layers attend bidirectionally within the block)")
-    explicit = dfc.get("causal") is not None or d.get("is_causal") is not None
-    if SLIDING in (d.get("layer_types") or []) and not explicit:
-        # vLLM runs sliding layers causally unless the config says otherwise (gemma-4 DFlash)
-        raise ValueError("drafter config.json: layer_types has 'sliding_attention' layers but no "
-                         "dflash_config.causal: vLLM runs such layers causally within the block, this engine "
-                         "bidirectionally; set dflash_config.causal: false if the drafter was trained that way")
-    if dfc.get("add_swa_attention_sink_bias") or d.get("add_swa_attention_sink_bias"):
-        raise ValueError("drafter config.json: add_swa_attention_sink_bias is not supported (no attention sinks)")
-    for name in ("rope_parameters", "rope_scaling"):
-        rope = d.get(name) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind not in (None, "default"):
-            raise ValueError(f"drafter config.json: {name}.rope_type={kind!r} is not supported (only 'default' RoPE)")
+from specdec.checkpoint_format import DrafterConfig
 
 
 class RMSNorm(nn.Module):
@@ -264,15 +70,23 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = self.n_kv != self.n_heads  # grouped heads read their shared K/V: no materialised repeat
         if isinstance(mask, torch.Tensor) or mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:  # a flex-attention BlockMask (training on GPU)
-            from torch.nn.attention.flex_attention import flex_attention
-            out = flex_attention(q, k, v, block_mask=mask)
+            # under autocast the normed q/k come out fp32 beside a bf16 v; flex needs one dtype
+            out = compiled_flex_attention()(q.to(v.dtype), k.to(v.dtype), v, block_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+@functools.cache
+def compiled_flex_attention():
+    """``flex_attention`` compiled once per process: uncompiled, it materialises the full
+    fp32 score matrix (B x heads x Q x (T+Q), ~47 GB per layer at the Qwen3-8B recipe's
+    shapes); compiled, it runs as a fused kernel over the block mask's visible blocks."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 class MLP(nn.Module):
@@ -415,15 +229,19 @@ def drafter_config_for_target(target, num_hidden_layers: int = 1, block_size: in
     )
 
 
+def init_layer_picks(num_draft_layers: int, num_target_layers: int) -> list[int]:
+    """The target layers draft layers start from: evenly spaced, never the first."""
+    n, L = num_draft_layers, num_target_layers
+    return [min(int(round((i + 1) * L / (n + 1))), L - 1) for i in range(n)]
+
+
 def init_from_target(drafter: DFlashDrafter, target) -> None:
     """Initialise draft layers from evenly spaced target layers and the final norm from the
-    target's (DESIGN.md lever: shapes match, training starts from useful weights)."""
+    target's (docs/engine.md lever: shapes match, training starts from useful weights)."""
     t_layers = target.layers
-    n, L = len(drafter.layers), len(t_layers)
-    picks = [int(round((i + 1) * L / (n + 1))) for i in range(n)]
     with torch.no_grad():
-        for d_layer, idx in zip(drafter.layers, picks):
-            src = dict(t_layers[min(idx, L - 1)].named_parameters())
+        for d_layer, idx in zip(drafter.layers, init_layer_picks(len(drafter.layers), len(t_layers))):
+            src = dict(t_layers[idx].named_parameters())
             for name, p in d_layer.named_parameters():
                 if name in src and src[name].shape == p.shape:
                     p.copy_(src[name].to(p.dtype))

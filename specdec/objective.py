@@ -114,7 +114,10 @@ def block_mask_flex(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, bl
         same_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == j)
         return in_ctx | same_block
 
-    return create_block_mask(mask_mod, Bsz, None, Q, ctx_len + Q, device=anchors.device)
+    # compiled on GPU: built block by block (uncompiled it first materialises the dense (Q, T+Q)
+    # boolean mask); inductor on CPU miscompiles this mask_mod (torch 2.13), and CPU trains dense
+    return create_block_mask(mask_mod, Bsz, None, Q, ctx_len + Q, device=anchors.device,
+                             _compile=anchors.device.type == "cuda")
 
 
 def teacher_law(ids: torch.Tensor, logprobs: torch.Tensor,
@@ -127,21 +130,46 @@ def teacher_law(ids: torch.Tensor, logprobs: torch.Tensor,
     return cols.clamp(min=0), p / p.sum(-1, keepdim=True).clamp(min=1e-12)
 
 
-def _distilled(ce: torch.Tensor, logq: torch.Tensor, sel: torch.Tensor, src: torch.Tensor,
-               teacher: tuple[torch.Tensor, torch.Tensor], vocab_index: torch.Tensor | None,
-               alpha: float) -> torch.Tensor:
-    """Mix the hard-label CE (M,) of the labelled positions with the CE against the
-    teacher's law at their source positions ``src`` (Bsz, N, B-1); ``logq`` (M, V_d) are
-    the drafter's log-probabilities there."""
+def _teacher_at(src: torch.Tensor, sel: torch.Tensor,
+                teacher: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-K (ids, log-probs), each (M, K), at the source positions ``src``
+    (Bsz, N, B-1) of the labelled positions ``sel``."""
     t_ids, t_logp = teacher
     Bsz, N, D = src.shape
     K = t_ids.shape[-1]
     idx = src.reshape(Bsz, N * D, 1).expand(-1, -1, K)
-    ids = t_ids.gather(1, idx).view(Bsz, N, D, K)[sel]
-    logp = t_logp.gather(1, idx).view(Bsz, N, D, K)[sel]
-    cols, p = teacher_law(ids, logp, vocab_index)
-    soft = -(p * logq.gather(1, cols)).sum(-1)
-    return torch.where(p.sum(-1) > 0, (1 - alpha) * ce + alpha * soft, ce)
+    return t_ids.gather(1, idx).view(Bsz, N, D, K)[sel], t_logp.gather(1, idx).view(Bsz, N, D, K)[sel]
+
+
+#: rows of draft-head logits alive at once in training: past this many labelled positions
+#: the head runs in chunks recomputed in backward, so its memory is HEAD_CHUNK_ROWS x V
+#: instead of (batch x anchors x (B-1)) x V (43 GB at the Qwen3-8B recipe's shapes)
+HEAD_CHUNK_ROWS = 2048
+
+
+def head_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+              soft: tuple[torch.Tensor, torch.Tensor] | None, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row CE (M,) of the draft head on ``hidden`` (M, H) against ``labels`` (M,) (-1:
+    none), mixed with the CE against the teacher law ``soft`` = (columns, probs) (M, K) by
+    ``alpha``; and the head's argmax (M,). Exact whatever the chunking: rows are independent."""
+    def rows(h, y, cols, p):
+        logits = logits_fn(h)
+        logq = torch.log_softmax(logits.float(), -1)  # once, for the label's CE and the teacher's
+        ce = -logq.gather(1, y.clamp(min=0)[:, None])[:, 0] * (y >= 0)
+        if cols is not None:
+            t_ce = -(p * logq.gather(1, cols)).sum(-1)
+            ce = torch.where(p.sum(-1) > 0, (1 - alpha) * ce + alpha * t_ce, ce)
+        return ce, logits.detach().argmax(-1)
+
+    cols, p = soft if soft is not None else (None, None)
+    if hidden.shape[0] <= HEAD_CHUNK_ROWS:
+        return rows(hidden, labels, cols, p)
+    from torch.utils.checkpoint import checkpoint
+
+    run = (lambda *a: checkpoint(rows, *a, use_reentrant=False)) if torch.is_grad_enabled() else rows
+    out = [run(*(None if t is None else t[i:i + HEAD_CHUNK_ROWS] for t in (hidden, labels, cols, p)))
+           for i in range(0, hidden.shape[0], HEAD_CHUNK_ROWS)]
+    return torch.cat([c for c, _ in out]), torch.cat([a for _, a in out])
 
 
 def block_hidden(drafter, embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
@@ -208,21 +236,20 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     hidden = block_hidden(drafter, embed, input_ids, features, blocks.anchors, blocks.valid, use_flex)
 
     sel = blocks.label_mask  # only positions with a real label cost anything
-    logits = logits_fn(hidden[sel])
     labels = blocks.labels[sel]
     if vocab_index is not None:
         labels = vocab_index[labels]
     w = loss_weights(Bk, lam, dev)[None, None].expand(Bsz, N, -1)[sel]
-    logq = torch.log_softmax(logits.float(), -1)  # once, for the label's CE and the teacher's
-    ce = -logq.gather(1, labels.clamp(min=0)[:, None])[:, 0] * (labels >= 0)
+    soft = None
     if distill > 0 and teacher is not None:
         src = (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).clamp(max=T - 1)  # p - 1
-        ce = _distilled(ce, logq, sel, src, teacher, vocab_index, distill)
+        soft = teacher_law(*_teacher_at(src, sel, teacher), vocab_index)
+    ce, top = head_loss(logits_fn, hidden[sel], labels, soft, distill)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
 
     with torch.no_grad():
         hit = torch.zeros_like(blocks.label_mask)
-        hit[sel] = logits.argmax(-1) == labels
+        hit[sel] = top == labels
         count = sel.sum((0, 1))
         acc = (hit & sel).sum((0, 1)).float() / count.clamp(min=1).float()
         # leading matches per block; a missing label ends the run (it cannot be verified)

@@ -66,17 +66,26 @@ def weights_fingerprint(state_dict: dict[str, torch.Tensor], config_dict: dict) 
     fields and every tensor's name, shape and a strided sample of its values (independent
     of the dtype the model was loaded in).
     Cheap even for 8B targets and changes whenever any tensor changes materially."""
+    samples = {}
+    for name, t in state_dict.items():
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        samples[name] = (tuple(t.shape), flat[::step][:4096].float().cpu())
+    return fingerprint_of_samples(samples, config_dict)
+
+
+def fingerprint_of_samples(samples: dict[str, tuple[tuple, torch.Tensor]], config_dict: dict) -> str:
+    """The fingerprint from each tensor's (shape, strided sample as float32): the one hash
+    behind ``weights_fingerprint`` and the file-sampled one (``specdec/frozen.py``)."""
     h = hashlib.sha256()
     keep = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
             "num_attention_heads", "num_key_value_heads")
     h.update(json.dumps({k: config_dict.get(k) for k in keep}, sort_keys=True).encode())
-    for name in sorted(state_dict):
-        t = state_dict[name].detach()
-        flat = t.reshape(-1)
-        step = max(1, flat.numel() // 4096)
+    for name in sorted(samples):
+        shape, values = samples[name]
         # rounded to bfloat16 so that the same weights loaded in fp32, fp16 or bf16 agree
-        sample = flat[::step][:4096].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}".encode())
+        sample = values.to(torch.bfloat16).to(torch.float32).contiguous()
+        h.update(f"{name}:{shape}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
 

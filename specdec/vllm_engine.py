@@ -41,7 +41,7 @@ def speculative_config(drafter_dir: str | os.PathLike, block_size: int | None = 
     """vLLM's DFlash ``speculative_config`` for a drafter directory; ``block_size`` None
     uses the drafter's own B (vLLM fixes the number of drafted tokens at engine start)."""
     from specdec.checkpoint import read_config
-    from specdec.drafter import check_block_size
+    from specdec.checkpoint_format import check_block_size
 
     path = Path(drafter_dir).expanduser().resolve()
     cfg = read_config(path)  # refuses configs vLLM would run differently from us

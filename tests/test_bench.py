@@ -1,4 +1,4 @@
-"""The engine benchmark (specdec.bench) and the generate CLI on a tiny random target."""
+"""The engine benchmark (harness.bench) and the generate CLI on a tiny random target."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.bench import BenchConfig, BenchError, run_benchmark, write_report
+from harness.bench import BenchConfig, run_benchmark, write_report
+from specdec.bench import BenchError
 from specdec.checkpoint import save_drafter
 from specdec.drafter import DFlashDrafter, drafter_config_for_target
 from specdec.target import load_target
@@ -159,8 +160,8 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     tau and exactness from the real engine, one row per kept checkpoint, table + JSON + PNG."""
     import shutil
 
-    from pipelines.train.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, data_cost, format_table,
-                                              run_recipe_bench, write as write_recipe)
+    from harness.recipe_bench import (RecipeBenchConfig, RecipeBenchError, Variant, data_cost, format_table,
+                                      plot as plot_recipe, run_recipe_bench)
 
     feats = tmp_path / "features"
     feats.mkdir()
@@ -189,7 +190,7 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     assert all(r["p_exact"] and r["p_tau"] >= 1.0 and r["p_speedup"] > 0 for r in rows)
     table = format_table(report)
     assert "p tau" in table and "| 2.50 |" in table
-    js, png = write_recipe(report, tmp_path / "out" / "recipe")
+    js, png = write_report(report, tmp_path / "out" / "recipe", plot_recipe)
     assert json.loads(js.read_text())["rows"][1]["step"] == 20 and png.stat().st_size > 1000
     best = run_recipe_bench(RecipeBenchConfig([Variant("tiny", run)], [assets["prompts"]], num_prompts=1,
                                               max_new_tokens=4, checkpoints="best", target=assets["target_dir"],

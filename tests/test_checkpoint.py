@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from specdec.checkpoint import DrafterMismatchError, load_drafter, save_drafter
 from specdec.drafter import DFlashDrafter
-from specdec.engine import DFlashProposer, Engine, Request
+from specdec.engine import Engine, Request
+from specdec.proposers import DFlashProposer
 from specdec.target import default_target_layer_ids
 from specdec.tiny import random_drafter
 
@@ -89,7 +90,7 @@ def test_mismatched_drafter_is_refused_naming_the_field(tmp_path, tiny, field, c
     change(cfg)
     if field in ("hidden_size", "vocab_size", "target_layer_ids"):
         # rebuild tensors of the right shapes for the edited config, so only the check fails
-        from specdec.drafter import DrafterConfig
+        from specdec.checkpoint_format import DrafterConfig
         save_drafter(DFlashDrafter(DrafterConfig.from_hf_dict(cfg)), tmp_path / "d")
         cfg_path.write_text(json.dumps(cfg))
     else:

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from pipelines.context_bench import ContextBenchConfig, format_table, run_context_bench, write
+from harness.context_bench import ContextBenchConfig, format_table, plot, run_context_bench
+from pipelines.report import write_report
 from specdec.bench import BenchError
 from specdec.checkpoint import save_drafter
 from specdec.target import load_target
@@ -38,7 +39,7 @@ def test_rows_by_bucket_and_variant(setup):
             assert isinstance(r[key], float) and r[key] > 0, key
     # the window keeps W - 1 positions (+ slack) of a ~1K-token context
     assert rows[f"short+w{WINDOW}"]["draft_kv_mb"] < rows["short"]["draft_kv_mb"] / 4
-    js, png = write(report, work / "out" / "longctx")
+    js, png = write_report(report, work / "out" / "longctx", plot)
     assert json.loads(js.read_text())["rows"] and png.stat().st_size > 0
     assert "short+w64" in format_table(report)
 
@@ -52,7 +53,7 @@ def test_bad_settings_are_refused(kw, match):
 
 def test_any_prompt_file_is_bucketed_by_length(setup, tmp_path):
     """Users' long prompts (a LongAlign file: 16K-64K on a GPU) go to buckets by token count."""
-    from pipelines.context_bench import bucket_prompts
+    from harness.context_bench import bucket_prompts
 
     _, target_dir, _ = setup
     target = load_target(str(target_dir))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import demo as D
+from harness import demo as D
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ["features.layer_ids=[1,2]", "features.generation.backend=hf", "features.extract.from_generation=true",

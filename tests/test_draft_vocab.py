@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from specdec.checkpoint import DrafterMismatchError, load_drafter, save_drafter
 from specdec.draft_vocab import LEGACY_VOCAB_FILE, VOCAB_FILE, DraftHead, build_vocab, count_tokens, coverage
-from specdec.engine import DFlashProposer, Engine, Request
+from specdec.engine import Engine, Request
 from specdec.objective import dflash_loss
+from specdec.proposers import DFlashProposer
 from specdec.tiny import random_drafter
 
 NO_STOP = frozenset()

@@ -6,7 +6,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import kvcache
-from specdec.engine import DFlashProposer, Engine, OracleProposer, Request
+from specdec.engine import Engine, Request
+from specdec.proposers import DFlashProposer, OracleProposer
 from specdec.sampling import SamplingParams
 from specdec.tiny import random_drafter
 

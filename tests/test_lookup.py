@@ -8,8 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.engine import DFlashProposer, Engine, Request
-from specdec.lookup import HybridProposer, LookupProposer, NgramIndex
+from specdec.engine import Engine, Request
+from specdec.lookup import NgramIndex
+from specdec.proposers import DFlashProposer, HybridProposer, LookupProposer
 from specdec.sampling import SamplingParams
 from specdec.tiny import random_drafter
 from tests.test_engine import NO_STOP, PROMPTS, _target_joint_law, ar_reference

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdec.draft_vocab import head_for
-from specdec.engine import DFlashProposer, Engine, Request
+from specdec.engine import Engine, Request
+from specdec.proposers import DFlashProposer
 from specdec.objective import (block_hidden, block_mask_dense, block_mask_flex, default_lambda, dflash_loss,
                                loss_weights, sample_blocks)
 from specdec.tiny import random_drafter
@@ -317,3 +318,49 @@ def test_dropout_only_while_training(tiny):
     torch.testing.assert_close(d(x, pos, ctx, mask), plain)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         d.set_dropout(1.0)
+
+
+def test_head_in_chunks_is_exact(monkeypatch):
+    """Past HEAD_CHUNK_ROWS labelled rows the draft head runs in recomputed chunks: the loss,
+    its gradients and the argmax are those of the one-shot head (with distillation too)."""
+    import specdec.objective as objective
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    head = head.double()
+    labels = torch.randint(-1, 50, (37,))
+    cols, p = torch.randint(0, 50, (37, 4)), torch.rand(37, 4, dtype=torch.float64)
+    runs = []
+    for chunk in (10**9, 8):
+        monkeypatch.setattr(objective, "HEAD_CHUNK_ROWS", chunk)
+        hidden.grad = None
+        ce, top = objective.head_loss(head, hidden, labels, (cols, p / p.sum(-1, keepdim=True)), 0.3)
+        ce.sum().backward()
+        runs.append((ce.detach(), top, hidden.grad.clone()))
+    (ce1, top1, g1), (ce2, top2, g2) = runs
+    assert torch.equal(top1, top2) and torch.allclose(ce1, ce2, rtol=0, atol=1e-12)
+    assert torch.allclose(g1, g2, rtol=0, atol=1e-12)
+
+
+def test_compiled_flex_attention_matches_dense_with_grouped_heads():
+    """The GPU training path (compiled flex_attention over a BlockMask, GQA read without
+    repeating K/V) computes the dense path's loss; CPU flex has no backward, so forward only."""
+    from specdec.checkpoint_format import DrafterConfig
+    from specdec.drafter import DFlashDrafter
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=100, mask_token_id=99, target_layer_ids=[0, 1], num_target_layers=6,
+                        num_hidden_layers=2, block_size=4)
+    drafter = DFlashDrafter(cfg)
+    embed = torch.nn.Embedding(100, 64).requires_grad_(False)
+    head = torch.nn.Linear(64, 100, bias=False).requires_grad_(False)
+    ids = torch.randint(0, 98, (2, 64))
+    mask = torch.ones(2, 64, dtype=torch.long)
+    mask[:, :5] = 0
+    feats, lengths = torch.randn(2, 64, 128), torch.tensor([64, 50])
+    with torch.no_grad():
+        dense, flex = (dflash_loss(drafter, embed, head, ids, mask, feats, lengths, 8,
+                                   generator=torch.Generator().manual_seed(1), use_flex=f) for f in (False, True))
+    assert torch.allclose(dense.loss, flex.loss, atol=1e-5) and torch.equal(dense.acc, flex.acc)

@@ -11,8 +11,8 @@ import torch
 from specdec.assets import reference_drafter
 from specdec.bench import load_prompt_ids
 from specdec.checkpoint import load_drafter
-from specdec.engine import DFlashProposer, Engine, Request
-from specdec.lookup import HybridProposer
+from specdec.engine import Engine, Request
+from specdec.proposers import DFlashProposer, HybridProposer
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ TAU_FLOOR = 1.27
 @pytest.fixture(scope="module")
 def ref():
     path = reference_drafter()
-    assert path is not None, "specdec/drafters/smollm2-135m is missing (see README: Reference drafter)"
+    assert path is not None, "specdec/drafters/smollm2-135m is missing (see docs/reference-drafter.md)"
     return path
 
 
@@ -58,8 +58,8 @@ def test_exact_and_accepted_on_held_out_prompts(ref, smollm2):
 
 
 def test_serving_and_the_benchmark_use_it_by_default(ref):
+    from harness.bench import BenchConfig
     from serve_app.config import load_config
-    from specdec.bench import BenchConfig
 
     assert load_config({}).reference_drafter == str(ref)  # drafter=auto, embedded target
     assert load_config({"drafter": "none"}).reference_drafter is None

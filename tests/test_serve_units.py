@@ -375,7 +375,7 @@ def test_worker_batches_concurrent_requests_exactly(tiny):
 def test_worker_with_prompt_lookup_runs_the_hybrid_proposer_exactly(tiny):
     from specdec.checkpoint import load_drafter
     from specdec.engine import Request
-    from specdec.lookup import HybridProposer
+    from specdec.proposers import HybridProposer
     from serve_app.worker import EngineWorker
 
     root, target = tiny
@@ -460,6 +460,39 @@ def test_registry_resolution_polling_and_target_identity_refusal(tiny, monkeypat
         parse_models_uri("models:/")
 
 
+def test_choose_drafter_is_the_one_rule_of_both_backends(tiny, monkeypatch):
+    """drafter=auto -> @champion -> the packaged reference drafter of an embedded target ->
+    none; an explicit reference that is missing is an error; the vllm backend's engine
+    nodes get exactly the choice."""
+    from serve_app.registry import REFERENCE_VERSION, DrafterNotFound, choose_drafter
+    from serve_app.vllm_app import node_source
+    from specdec.assets import reference_drafter_for
+
+    root, target = tiny
+    monkeypatch.setenv("DFLASH_CACHE", str(root / "cache"))
+    uri = f"sqlite:///{root / 'choice.db'}"
+    off = choose_drafter(load_config({"speculation": "off", "tracking_uri": uri}))
+    assert off.kind == "none" and off.source is None and node_source(off) is None
+    ref = choose_drafter(load_config({"model_name": "choice-ref", "tracking_uri": uri}))  # embedded target
+    assert ref.kind == "path" and ref.version == REFERENCE_VERSION and ref.source.registry
+    assert ref.path == str(reference_drafter_for(None).resolve()) and ref.fetch() == ref.path
+    assert node_source(ref) == {"kind": "path", "path": ref.path}
+    own = {"target": str(tiny_target_dir(root)), "model_name": "choice", "tracking_uri": uri}
+    none = choose_drafter(load_config(own))  # a user's target: no reference drafter
+    assert none.kind == "none" and none.source.source == "models:/dflash-choice@champion"
+    assert "serving without speculation" in none.reason and none.fetch() is None
+    with pytest.raises(DrafterNotFound):
+        choose_drafter(load_config({**own, "drafter": "models:/dflash-choice@champion"}))
+    v1 = register_drafter(uri, "dflash-choice", make_drafter(target, root / "choice-v1"))
+    champ = choose_drafter(load_config(own))
+    assert champ.kind == "registry" and champ.version == v1 and "version " + v1 in champ.reason
+    assert node_source(champ) == {"kind": "registry", "tracking_uri": uri, "name": "dflash-choice", "version": v1,
+                                  "uri": "models:/dflash-choice@champion"}
+    assert (Path(champ.fetch()) / "model.safetensors").is_file()
+    local = choose_drafter(load_config({**own, "drafter": str(root / "choice-v1")}))
+    assert local.kind == "path" and local.version == "local" and node_source(local)["path"] == str(root / "choice-v1")
+
+
 # ---------------------------------------------------------------------- vLLM backend config
 def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     from serve_app.vllm_app import vllm_llm_config
@@ -473,15 +506,15 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert d["engine_kwargs"]["speculative_config"]["method"] == "dflash"
     # the drafter is resolved on the engine's node, by the callback, with the drafter's own B
     assert d["callback_config"]["callback_class"] == "serve_app.vllm_app:DrafterOnNode"
-    assert d["callback_config"]["callback_kwargs"] == {"source": source, "embedded_target": True, "block_size": None}
+    assert d["callback_config"]["callback_kwargs"] == {"source": source, "embedded_target": True, "speculation": None}
     assert d["engine_kwargs"]["max_model_len"] == 4096 and d["engine_kwargs"]["dtype"] == "auto"
     assert d["model_loading_config"] == {"model_id": "smollm2-135m", "model_source": "/models/target"}
     assert d["accelerator_type"] == "H100" and "accelerator_config" not in d
     auto = d["deployment_config"]["autoscaling_config"]
     assert auto["max_replicas"] == 8 and "policy" not in auto  # Serve's default policy on this backend
     assert d["deployment_config"]["max_queued_requests"] == 256  # honoured, not dropped
-    fixed = vllm_llm_config(load_config({"backend": "vllm", "block_size": 4}), "/t", source)
-    assert fixed["callback_config"]["callback_kwargs"]["block_size"] == 4
+    fixed = vllm_llm_config(load_config({"backend": "vllm", "speculation": 4}), "/t", source)
+    assert fixed["callback_config"]["callback_kwargs"]["speculation"] == 4
     assert fixed["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 3
     cpu = vllm_llm_config(load_config({"backend": "vllm", "replica_resources": {"engine_node": 1}}), "/t", None)
     assert "speculative_config" not in cpu["engine_kwargs"] and cpu["engine_kwargs"]["enforce_eager"]
@@ -567,8 +600,16 @@ def test_config_defaults_builder_args_and_yaml():
     cfg = load_config({})
     assert cfg.drafter_source == "models:/dflash-smollm2-135m@champion" and cfg.backend == "hf"
     assert cfg.max_replicas == 2 and cfg.replica_cpus == 1  # fits 2 cores
-    cli = load_config({"block_size": "8", "max_replicas": "4", "drafter": "none"})
-    assert cli.block_size == 8 and cli.max_replicas == 4 and cli.drafter is None and not cli.speculation_requested
+    cli = load_config({"speculation": "8", "max_replicas": "4", "drafter": "none"})
+    assert cli.speculation == 8 and cli.max_replicas == 4 and cli.drafter is None and not cli.speculation_requested
+    # the serving mode's values, and its old name refused naming the new one
+    assert [load_config({"speculation": v}).speculation for v in ("auto", " OFF", "none", "1", 0, 2)] == \
+        ["auto", "off", "off", "off", "off", 2]
+    for bad in ("fast", 2.5, True):
+        with pytest.raises(ValueError, match="speculation must be 'auto', 'off' or an integer >= 2"):
+            load_config({"speculation": bad})
+    with pytest.raises(ValueError, match=r"block_size was renamed to speculation \(auto\|off\|N\)"):
+        load_config({"block_size": 8})
     # the auto drafter is what the training job registers for the same target (dflash-<slug>)
     from pipelines.train.config import parse_recipe
 

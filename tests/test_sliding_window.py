@@ -10,9 +10,10 @@ import torch
 
 from specdec import kvcache
 from specdec.checkpoint import load_drafter, save_drafter
-from specdec.drafter import FULL, SLIDING
-from specdec.engine import DFlashProposer, Engine, Request
+from specdec.checkpoint_format import FULL, SLIDING
+from specdec.engine import Engine, Request
 from specdec.objective import block_mask_dense, block_mask_flex, sample_blocks
+from specdec.proposers import DFlashProposer
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tiny import random_drafter
 from tests.test_engine import NO_STOP, PROMPTS, ar_reference, test_sampling_follows_target_law_through_engine

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specdec import kvcache
-from specdec.engine import DFlashProposer, Engine, OracleProposer, Request
+from specdec.engine import Engine, Request
+from specdec.proposers import DFlashProposer, OracleProposer
 from specdec.target import choose_mask_token_id
 from specdec.tiny import random_drafter
 

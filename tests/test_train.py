@@ -272,7 +272,8 @@ def test_ddp_run_learns_and_registers_with_lineage(ddp_run, work, features, targ
 @pytest.mark.slow
 def test_exported_drafter_is_exact_in_the_engine(ddp_run, target):
     from specdec.checkpoint import load_drafter
-    from specdec.engine import DFlashProposer, Engine, Request
+    from specdec.engine import Engine, Request
+    from specdec.proposers import DFlashProposer
 
     cfg = json.loads((Path(ddp_run.drafter_dir) / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == LAYERS

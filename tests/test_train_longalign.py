@@ -67,7 +67,7 @@ def test_evaluation_deals_batches_out_by_cost():
     half the rest); equal costs alternate; a batch's cost is rows x its longest row."""
     import pyarrow as pa
 
-    from pipelines.train.trainer import batch_cost, take_turn
+    from pipelines.train.metrics import batch_cost, take_turn
 
     table = pa.table({"input_ids": [[1] * 3, [1] * 7]})
     assert batch_cost(table) == 14
@@ -306,14 +306,14 @@ def test_longalign_fine_tune_from_a_registry_version(cluster, work, target_dir, 
 
     # the same run name again (resume): the rows file is reused as it is; a source whose rows
     # changed is refused (the driver's step, without another training run)
-    from pipelines.train.trainer import _longalign_sequences
+    from pipelines.train.longalign_rows import longalign_rows
 
     before = rows_file.stat().st_mtime_ns
-    assert _longalign_sequences(recipe, target, res.run_uri)["longalign_sha256"] == res.extra["longalign_sha256"]
+    assert longalign_rows(recipe, target, res.run_uri)["longalign_sha256"] == res.extra["longalign_sha256"]
     assert rows_file.stat().st_mtime_ns == before
     write_jsonl(path, [conversation(i, n) for i, n in enumerate(sizes[:-2])])
     with pytest.raises(ConfigError, match=r"^train\.longalign: run 'long' was started on other rows"):
-        _longalign_sequences(load_train_recipe(recipe_path), target, res.run_uri)
+        longalign_rows(load_train_recipe(recipe_path), target, res.run_uri)
 
 
 @pytest.mark.slow

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specdec.checkpoint import load_drafter, save_drafter
-from specdec.engine import DFlashProposer, Engine, Request, tau_of
+from specdec.engine import Engine, Request, tau_of
 from specdec.prompts import load_prompts
+from specdec.proposers import DFlashProposer
 from specdec.sampling import SamplingParams
 from specdec.target import load_target, resolve_target_path
 from specdec.vllm_engine import accepted_lengths

@@ -12,8 +12,9 @@ import torch
 
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.drafter import with_window
-from specdec.engine import DFlashProposer, Engine, Request
+from specdec.engine import Engine, Request
 from specdec.prompts import load_prompts
+from specdec.proposers import DFlashProposer
 from specdec.sampling import SamplingParams
 from specdec.target import load_target, resolve_target_path
 

@@ -1,6 +1,6 @@
 """The feature stage (Ray Data): prompts -> target answers -> teacher-forced hidden states
 -> sharded Parquet + manifest. ``pipeline.py`` drives a run, ``workers.py`` holds the Ray
-Data actors, ``format.py`` the shard format other tools read, ``bench.py`` its benchmark."""
+Data actors, ``format.py`` the shard format other tools read (its benchmark: ``harness/features_bench.py``)."""
 
 from pipelines.features.pipeline import (MANIFEST, check_target_early, committed_shards, load_manifest, plan_shards,
                                          read_features, response_token_counts, run_features, verify_features)

@@ -101,7 +101,7 @@ class FeatureLayout:
     @property
     def nominal_bytes_per_token(self) -> int:
         """layers x hidden x bytes (+ 6 bytes per stored teacher log-prob): the planning
-        figure (DESIGN.md "Feature shards")."""
+        figure (docs/training.md, feature shards)."""
         return self.feature_dim * _ITEM_BYTES[self.dtype] + 6 * self.teacher_topk
 
     def as_dict(self) -> dict:

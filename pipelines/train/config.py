@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from specdec.drafter import MIN_BLOCK_SIZE
+from specdec.checkpoint_format import MIN_BLOCK_SIZE
 from specdec.target import target_slug  # noqa: F401  (re-exported: recipes name models by it)
 from pipelines.config import (FRACTION, NON_NEGATIVE, POSITIVE, ConfigError, FeaturesConfig, apply_overrides, option,
                               parse_section, read_yaml)

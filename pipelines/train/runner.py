@@ -241,7 +241,8 @@ class DeepSpeedRunner(Runner):
     strategy = "deepspeed"
     TAG = "deepspeed"
 
-    def __init__(self, module, device, bf16, grad_clip, lr, weight_decay, zero_stage: int, micro_batch: int):
+    def __init__(self, module, device, bf16, grad_clip, lr, weight_decay, zero_stage: int, micro_batch: int,
+                 portable: bool = False):
         import deepspeed
 
         super().__init__(module, device, bf16, grad_clip)
@@ -264,6 +265,9 @@ class DeepSpeedRunner(Runner):
         module.to(device)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=config)
         self.zero_stage = zero_stage
+        # elastic runs also save the optimizer state gathered per parameter, so that a restart at
+        # another world size keeps it (pipelines/train/portable_optimizer.py; ZeRO-2)
+        self.portable = portable and zero_stage == 2
 
     @property
     def drafter(self) -> DFlashDrafter:
@@ -296,6 +300,10 @@ class DeepSpeedRunner(Runner):
                     self._save_drafter(directory)
         elif rank == 0:
             self._save_drafter(directory)
+        if self.portable:
+            from pipelines.train.portable_optimizer import save_portable
+
+            save_portable(self.engine, self.drafter, directory, rank)
         if rank == 0:
             state.save(directory)
         return True
@@ -308,6 +316,14 @@ class DeepSpeedRunner(Runner):
                                                   load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}")
+            return
+        from pipelines.train.portable_optimizer import has_portable, load_portable
+
+        if self.zero_stage == 2 and has_portable(directory):
+            self._load_drafter_everywhere(directory)
+            step = load_portable(self.engine, self.drafter, directory)
+            log.info("checkpoint %s was written with %d workers (now %d): weights, fp32 master weights and AdamW "
+                     "moments re-sharded, optimizer step %d", directory, state.world_size, self.engine.world_size, step)
             return
         log.warning("checkpoint %s was written by %s with %d workers (now deepspeed with %d): loading its "
                     "weights; optimizer moments restart", directory, state.strategy, state.world_size,
@@ -340,9 +356,11 @@ def _skip_deepspeed_shm_build() -> None:
 
 
 def make_runner(strategy: str, module: DrafterLoss, device: torch.device, bf16: bool, *, grad_clip: float,
-                lr: float, weight_decay: float, zero_stage: int, micro_batch: int) -> Runner:
+                lr: float, weight_decay: float, zero_stage: int, micro_batch: int, portable: bool = False) -> Runner:
+    """``portable``: DeepSpeed checkpoints also keep the optimizer in a world-size-independent
+    form (elastic runs); DDP's optimizer state is whole on every worker anyway."""
     if strategy == "deepspeed":
-        return DeepSpeedRunner(module, device, bf16, grad_clip, lr, weight_decay, zero_stage, micro_batch)
+        return DeepSpeedRunner(module, device, bf16, grad_clip, lr, weight_decay, zero_stage, micro_batch, portable)
     return DDPRunner(module, device, bf16, grad_clip, lr, weight_decay)
 
 

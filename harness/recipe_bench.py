@@ -1,5 +1,5 @@
 """Recipe benchmark: held-out acceptance of trained drafters, measured by the real engine,
-against the wall-clock hours spent on their data and training (library side of
+against the wall-clock hours spent on their data and training (the logic of
 ``jobs/bench_recipe.py``).
 
 A recipe variant is a finished training run (``<storage_path>/<run_name>``, local). Its
@@ -7,7 +7,7 @@ cost is read from what the pipeline recorded: the feature run's wall time (``run
 ``started_at`` to ``manifest.json`` ``created_at``; for a run resumed after a pause this
 includes the pause) and, per checkpoint, the training seconds in ``state.json``. Its
 quality is measured here, for each kept checkpoint (Ray Train keeps the best few by
-simulated held-out tau, and the latest): the engine benchmark (``specdec.bench``, the
+simulated held-out tau, and the latest): the engine benchmark (``harness.bench``, the
 same harness as ``jobs/benchmark.py``) runs AR and the drafter side by side on the
 ShareGPT holdout and on HumanEval, greedy, and reports tau, exactness and speedup. The
 simulated held-out tau of every evaluation (the learning curve) is plotted beside it.
@@ -125,7 +125,8 @@ def checkpoints(run: Path, which: str = "kept", states: list[tuple[Path, dict]] 
 
 # ---------------------------------------------------------------------------- the benchmark
 def run_recipe_bench(cfg: RecipeBenchConfig) -> dict:
-    from specdec.bench import BenchConfig, load_target_checked, run_benchmark
+    from harness.bench import BenchConfig, run_benchmark
+    from specdec.bench import load_target_checked
 
     t0 = time.perf_counter()
     target = load_target_checked(cfg.target)
@@ -205,12 +206,6 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write(report: dict, out: str | Path) -> tuple[Path, Path]:
-    from specdec.bench import write_report
-
-    return write_report(report, out, plot)
 
 
 def log_to_mlflow(report: dict, tracking_uri: str | None, files: tuple[Path, Path]) -> str:

@@ -1,4 +1,4 @@
-"""Evaluation by context length (library side of ``jobs/bench_longctx.py``).
+"""Evaluation by context length (the logic of ``jobs/bench_longctx.py``).
 
 For each context bucket of the embedded long-context set (``longctx`` holdout prompts:
 long documents followed by a question, about 1K/2K/4K/8K tokens) every drafter variant
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.bench import BenchError, engine_method, load_drafter_for, load_target_checked, measure_methods, summarise
-from specdec.engine import DFlashProposer
 from specdec.longctx import BUCKETS, longctx_bucket
+from specdec.proposers import DFlashProposer
 from specdec.sampling import GREEDY
 
 #: the plot's panels: (result key, axis label)
@@ -195,12 +195,6 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write(report: dict, out: str | Path) -> tuple[Path, Path]:
-    from specdec.bench import write_report
-
-    return write_report(report, out, plot)
 
 
 def log_to_mlflow(report: dict, tracking_uri: str | None, files: tuple[Path, Path]) -> str:

@@ -260,7 +260,7 @@ def generation_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m pipelines.features.bench --prompts 64 --out runs/bench/generation.json
+if __name__ == "__main__":  # python -m harness.features_bench --prompts 64 --out runs/bench/generation.json
     import argparse
     import json
 
