@@ -1,6 +1,7 @@
 """The capacity plan (pipelines/train/capacity.py): every shipped recipe plans in seconds,
-the 8B plans carry the published shapes, and the memory it predicts for a step is the
-memory a CPU step at reduced shapes measures (within 25%, at two context lengths)."""
+the 8B plans carry the published shapes, the memory it predicts for a step is the memory a
+CPU step at reduced shapes measures (within 25%, at three context lengths, growing linearly),
+and the driver plans a run without loading the target's weights."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _measure(s: StepShape) -> dict:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read a step's peak")
 def test_predicted_step_memory_matches_a_cpu_step_within_25_percent():
     ratios = {}
-    for seq in (1024, 4096):
+    for seq in (1024, 2048, 4096):
         s = _shape(seq)
         measured = _measure(s)
         p = s.drafter_params
@@ -81,10 +82,12 @@ def test_predicted_step_memory_matches_a_cpu_step_within_25_percent():
     for seq, (ratio, predicted, total) in ratios.items():
         assert 0.75 <= ratio <= 1.25, (f"seq {seq}: predicted {predicted / 2**20:.0f} MiB vs measured "
                                        f"{total / 2**20:.0f} MiB (ratio {ratio:.2f})")
-    # 4x the context: memory grows by less than 4x (linear terms plus the fixed state), never quadratically
-    growth = ratios[4096][2] / ratios[1024][2]
-    assert growth < 4.0, f"memory grew {growth:.2f}x for 4x the context"
-    print({seq: f"ratio {r:.2f}" for seq, (r, _, _) in ratios.items()}, f"growth x{growth:.2f}")
+    # linear in the context, not quadratic: each added 1K tokens costs about the same (a quadratic
+    # term would make the 2K -> 4K increment per token twice the 1K -> 2K one, or more)
+    m = {seq: total for seq, (_, _, total) in ratios.items()}
+    first, second = (m[2048] - m[1024]) / 1024, (m[4096] - m[2048]) / 2048
+    assert second < 1.3 * first, f"per-token memory grew from {first:.0f} to {second:.0f} bytes"
+    print({seq: f"ratio {r:.2f}" for seq, (r, _, _) in ratios.items()}, f"bytes/token {first:.0f} -> {second:.0f}")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

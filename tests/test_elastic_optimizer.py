@@ -1,7 +1,7 @@
-"""Elastic resize keeps the optimizer (pipelines/train/portable_optimizer.py): DeepSpeed
-ZeRO-2 trains on 2 CPU workers (gloo), saves, and a 1-worker engine resumes with the same
-fp32 master weights, AdamW moments and step count, re-sharded; then back to 2 workers.
-Plain processes (no Ray): the runner and DeepSpeed are what is under test."""
+"""Elastic resize keeps the optimizer: DeepSpeed ZeRO-2 (pipelines/train/portable_optimizer.py)
+and DDP train on 2 CPU workers (gloo), save, and 1 worker resumes with the same fp32 (master)
+weights, AdamW moments and step count; then back to 2 workers. Plain processes (no Ray: DDP's
+``prepare_model`` is the DDP wrapper Ray Train would apply): the runners are under test."""
 
 from __future__ import annotations
 
@@ -21,23 +21,30 @@ import json, os, sys, torch
 from pathlib import Path
 torch.set_num_threads(1)
 rank, world, mode, ckpt, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+strategy = sys.argv[6]
 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 deepspeed.init_distributed("gloo")
+import ray.train.torch
+ray.train.torch.prepare_model = lambda m: torch.nn.parallel.DistributedDataParallel(m) if world > 1 else m
 from pipelines.train.data import Batch
 from pipelines.train.runner import DrafterLoss, TrainState, make_runner
 from specdec.tiny import random_drafter, tiny_target
 target = tiny_target("llama", dtype=torch.float32, vocab_size=96)
 drafter = random_drafter(target, block_size=4, layers=1).float().requires_grad_(True).train()
-runner = make_runner("deepspeed", DrafterLoss(drafter, target, False, None), torch.device("cpu"), False,
+runner = make_runner(strategy, DrafterLoss(drafter, target, False, None), torch.device("cpu"), False,
                      grad_clip=1.0, lr=1e-3, weight_decay=0.0, zero_stage=2, micro_batch=2, portable=True)
-state = TrainState(world_size=world, strategy="deepspeed")
+state = TrainState(world_size=world, strategy=strategy)
 if mode != "fresh":
     saved = TrainState.load(ckpt)
     runner.load(ckpt, saved)
-    state = TrainState(step=saved.step, world_size=world, strategy="deepspeed")
+    state = TrainState(step=saved.step, world_size=world, strategy=strategy)
 def full():
+    if strategy == "ddp":  # every worker holds the whole AdamW state
+        st = runner.optimizer.state
+        return {n: [p.detach().clone()] + [st[p][k] for k in ("exp_avg", "exp_avg_sq")]
+                for n, p in runner.drafter.named_parameters()}
     return {n: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
             for n, p in runner.drafter.named_parameters()}
 if mode != "fresh" and rank == 0:
@@ -66,13 +73,14 @@ if rank == 0:
 """
 
 
-def _run(world: int, mode: str, ckpt: Path, out: Path) -> list[float]:
+def _run(world: int, mode: str, ckpt: Path, out: Path, strategy: str = "deepspeed") -> list[float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), mode, str(ckpt), str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), mode, str(ckpt), str(out), strategy],
+                              env=env,
                               cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -106,3 +114,18 @@ def test_zero2_resize_keeps_weights_moments_and_step(tmp_path):
     _run(2, "resumed", tmp_path / "ckpt-resumed-w1", tmp_path)
     assert _same(torch.load(tmp_path / "restored-w2.pt"), torch.load(tmp_path / "saved-resumed-w1.pt"))
     assert all(torch.isfinite(torch.tensor(losses1)))
+
+
+@pytest.mark.slow
+def test_ddp_resize_keeps_weights_moments_and_step(tmp_path):
+    import torch
+
+    _run(2, "fresh", tmp_path, tmp_path, "ddp")
+    ckpt2 = tmp_path / "ckpt-fresh-w2"
+    assert (ckpt2 / "optimizer.pt").is_file()
+    _run(1, "resumed", ckpt2, tmp_path, "ddp")
+    assert _same(torch.load(tmp_path / "restored-w1.pt"), torch.load(tmp_path / "saved-fresh-w2.pt"))
+    (tmp_path / "restored-w1.pt").unlink()
+    _run(2, "resumed", tmp_path / "ckpt-resumed-w1", tmp_path, "ddp")
+    assert _same(torch.load(tmp_path / "restored-w2.pt"), torch.load(tmp_path / "saved-resumed-w1.pt"))
+    assert json.loads((tmp_path / "ckpt-resumed-w2" / "state.json").read_text())["step"] == 9

@@ -114,16 +114,10 @@ def local_run(ray_address, work, tiny_dir, prompts_file):
 
 @pytest.fixture(scope="module")
 def s3(ray_address):
-    from moto.server import ThreadedMotoServer
+    from s3_helpers import loopback_s3
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing", "region": "us-east-1"}
-    fs, _ = storage.filesystem("s3://features", options)
-    fs.call_s3("create_bucket", Bucket="features")
-    yield options
-    server.stop()
+    with loopback_s3("features") as options:
+        yield options
 
 
 # ---------------------------------------------------------------------------- helpers
