@@ -279,13 +279,14 @@ def generate_one(target: Target, prompt: list[int], max_new_tokens: int, params:
     when ``lookup_block`` > 1) or oracle (replays AR)."""
     proposer = None
     oracles = None
+    width = block_size
     if drafter is not None:
         proposer = drafter_proposer(drafter, target, block_size, lookup_block)
-        block_size = engine_width(block_size, lookup_block)
+        width = engine_width(block_size, lookup_block)
     elif oracle:
         oracles = [run_engine(target, [prompt], max_new_tokens, params, seed=seed)[0][0].tokens]
         proposer = OracleProposer()
-    results, run = run_engine(target, [prompt], max_new_tokens, params, proposer, block_size, seed,
+    results, run = run_engine(target, [prompt], max_new_tokens, params, proposer, width, seed,
                               oracles=oracles)
     return results[0], run.wall_s
 

@@ -247,7 +247,7 @@ def generate(target: Target, proposer: object | None, prompts: list[list[int]], 
 
     reqs = [Request(p, new_tokens, stop_ids=frozenset(), oracle=o)
             for p, o in zip(prompts, oracle or [None] * len(prompts))]
-    res = Engine(target, proposer, block_size=block, seed=0).generate(reqs)
+    res = Engine(target, proposer, width=block, seed=0).generate(reqs)
     return [r.tokens for r in res], [a for r in res for a in r.stats.accepted]
 
 
@@ -556,9 +556,9 @@ def cycle_row(target: Target, drafter: DFlashDrafter, s: Shapes, bsz: int, dev: 
     dflash, oracle = proposer_classes()
     B = s.block_size
     prompts = random_prompts(s, bsz, seed=2, length=s.cycle_context)
-    ar = time_steps(Engine(target, None, block_size=1), prompts, 1, s, dev)
-    verify = time_steps(Engine(target, oracle(), block_size=B), prompts, B, s, dev)  # drafts cost nothing
-    engine = Engine(target, dflash(drafter, target), block_size=B, seed=0)
+    ar = time_steps(Engine(target, None, width=1), prompts, 1, s, dev)
+    verify = time_steps(Engine(target, oracle(), width=B), prompts, B, s, dev)  # drafts cost nothing
+    engine = Engine(target, dflash(drafter, target), width=B, seed=0)
     cycle = time_steps(engine, prompts, B, s, dev)
     draft = statistics.median(timed(lambda: engine.proposer.propose(engine, B - 1), dev) for _ in range(s.reps))
     r_d, r_v = draft / ar, verify / ar

@@ -247,7 +247,9 @@ class DFlashReplica:
         return {"replica": self.replica_id, "model": self.cfg.served_model_name,
                 "drafter": {"source": self.cfg.drafter_source if self.worker.drafter is not None else None,
                             "version": self.worker.drafter_version or None,
-                            "block_size": self.worker.max_block,
+                            # the drafter's trained B; the engine verifies up to engine_width = max(B, lookup_block)
+                            "block_size": self.worker.drafter.config.block_size if self.worker.drafter is not None
+                            else None, "engine_width": self.worker.max_block,
                             "generations": self.worker.generations},
                 "drafter_error": self.drafter_error, "speculation": self.cfg.speculation,
                 "queue_depth": waiting, "active_requests": live,

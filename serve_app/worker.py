@@ -94,7 +94,7 @@ class _Generation:
         B = int(drafter.config.block_size) if drafter is not None else 1
         self.proposer = drafter_proposer(drafter, target, B, lookup_block) if drafter is not None else None
         self.max_block = engine_width(B, lookup_block) if drafter is not None else 1
-        self.engine = Engine(target, self.proposer, block_size=self.max_block, seed=seed)
+        self.engine = Engine(target, self.proposer, width=self.max_block, seed=seed)
         self.controller = BlockSizeController(B, mode if drafter is not None else "off", cost,
                                               lookup_block=lookup_block)
         self.drafter = drafter

@@ -92,12 +92,12 @@ class Run:
 
 
 def run_engine(target: Target, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
-               proposer=None, block_size: int = 16, seed: int = 0, stop_ids: frozenset[int] | None = None,
+               proposer=None, width: int = 16, seed: int = 0, stop_ids: frozenset[int] | None = None,
                oracles: list[list[int]] | None = None) -> tuple[list[Result], Run]:
-    """One static batch through our engine, timed."""
+    """One static batch through our engine (verifying up to ``width`` tokens a cycle), timed."""
     reqs = [Request(p, max_new_tokens=max_new_tokens, params=params, stop_ids=stop_ids,
                     oracle=oracles[i] if oracles else None) for i, p in enumerate(prompts)]
-    engine = Engine(target, proposer, block_size=block_size, seed=seed)
+    engine = Engine(target, proposer, width=width, seed=seed)
     t0 = time.perf_counter()
     results = engine.generate(reqs)
     wall = time.perf_counter() - t0
@@ -177,12 +177,12 @@ def summarise(acc: dict[str, _Acc], greedy: bool) -> dict:
             "cost_terms": _cost_terms(acc)}
 
 
-def engine_method(target: Target, params: SamplingParams, proposer_factory=None, block_size: int = 16,
+def engine_method(target: Target, params: SamplingParams, proposer_factory=None, width: int = 16,
                   stop_ids: frozenset[int] | None = None, oracle: bool = False) -> Method:
     """A method running our engine; ``proposer_factory()`` makes a fresh proposer per batch."""
     def run(batch, n, seed, ar_out):
         proposer = proposer_factory() if proposer_factory is not None else None
-        return run_engine(target, batch, n, params, proposer, block_size, seed, stop_ids,
+        return run_engine(target, batch, n, params, proposer, width, seed, stop_ids,
                           ar_out if oracle else None)[1]
     return run
 

@@ -127,11 +127,13 @@ class Proposer(Protocol):
 
 
 class Engine:
-    def __init__(self, target: Target, proposer: Proposer | None = None, block_size: int = 16,
+    def __init__(self, target: Target, proposer: Proposer | None = None, width: int = 16,
                  seed: int | None = None):
+        """``width``: the most tokens one cycle verifies (anchor + drafts); a drafter's own
+        trained block size is its config's ``block_size`` (``specdec/proposers.engine_width``)."""
         self.target = target
         self.proposer = proposer
-        self.block_size = block_size
+        self.width = width
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
         self.default_stop = frozenset(target.stop_token_ids())
@@ -144,11 +146,11 @@ class Engine:
         self.anchors = torch.zeros(0, dtype=torch.long, device=target.device)
 
     # ------------------------------------------------------------------ public
-    def generate(self, requests: list[Request], block_size: int | None = None) -> list[Result]:
+    def generate(self, requests: list[Request], width: int | None = None) -> list[Result]:
         """Run ``requests`` as one batch to completion; results in request order."""
         done = self.add(requests)
         while self.rows:
-            done += self.step(block_size)
+            done += self.step(width)
         order = {id(r): i for i, r in enumerate(requests)}
         return sorted(done, key=lambda res: order[id(res.request)])
 
@@ -193,12 +195,12 @@ class Engine:
         if n >= self.target.max_positions:
             raise ValueError(f"prompt of {n} tokens exceeds the context length {self.target.max_positions}")
 
-    def step(self, block_size: int | None = None) -> list[Result]:
+    def step(self, width: int | None = None) -> list[Result]:
         """One draft/verify cycle for every live row; returns rows that finished."""
         if not self.rows:
             return []
         clock = self.clock
-        k = self._block_len(block_size or self.block_size) if self.proposer is not None else 1
+        k = self._block_len(width or self.width) if self.proposer is not None else 1
         with clock("draft"):
             draft, q = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.anchors.device), None
             if k > 1:  # a proposer may draft fewer than k - 1 tokens (a lookup that found little)

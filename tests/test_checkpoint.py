@@ -49,8 +49,8 @@ def test_round_trip_published_layout(tmp_path, tiny):
         assert torch.equal(v, back.state_dict()[k]), k
     assert back.config.as_dict() == d.config.as_dict()
     prompt = [1, 4, 5, 6]
-    a = Engine(t, DFlashProposer(d, t), block_size=8).generate([Request(prompt, 16, stop_ids=frozenset())])[0]
-    b = Engine(t, DFlashProposer(back, t), block_size=8).generate([Request(prompt, 16, stop_ids=frozenset())])[0]
+    a = Engine(t, DFlashProposer(d, t), width=8).generate([Request(prompt, 16, stop_ids=frozenset())])[0]
+    b = Engine(t, DFlashProposer(back, t), width=8).generate([Request(prompt, 16, stop_ids=frozenset())])[0]
     assert a.tokens == b.tokens and a.stats.accepted == b.stats.accepted
 
 
@@ -68,7 +68,7 @@ def test_loads_a_published_style_checkpoint(tmp_path, tiny):
     (out / "config.json").write_text(json.dumps(cfg))
     back = load_drafter(out, target=t, dtype=torch.float64)
     assert back.config.target_layer_ids == d.config.target_layer_ids and back.config.block_size == 16
-    r = Engine(t, DFlashProposer(back, t), block_size=16).generate([Request([1, 2, 3], 8, stop_ids=frozenset())])
+    r = Engine(t, DFlashProposer(back, t), width=16).generate([Request([1, 2, 3], 8, stop_ids=frozenset())])
     assert len(r[0].tokens) == 8
 
 

@@ -42,7 +42,7 @@ def test_proposals_are_the_best_in_vocabulary_tokens(tiny):
     assert torch.equal(head.to_target(head(h).argmax(-1)), masked.argmax(-1))
     torch.testing.assert_close(head.full_logits(head(h)), masked, rtol=1e-12, atol=1e-12)
     # through the engine's proposer: drafts only ever use V_d
-    eng = Engine(t, DFlashProposer(reduced, t), block_size=6)
+    eng = Engine(t, DFlashProposer(reduced, t), width=6)
     eng.add([Request(p, 8, stop_ids=NO_STOP) for p in PROMPTS])
     draft, q = eng.proposer.propose(eng, 5)
     assert q is None and bool(torch.isin(draft, ids).all())
@@ -55,7 +55,7 @@ def test_greedy_exact_with_a_reduced_vocabulary(tiny, family):
     # the vocabulary of the reference output itself: drafts that are often right
     d = random_drafter(t, block_size=8)
     d.set_draft_vocab(sorted({x for r in ref for x in r})[:10])
-    got = [r.tokens for r in Engine(t, DFlashProposer(d, t), block_size=8).generate(
+    got = [r.tokens for r in Engine(t, DFlashProposer(d, t), width=8).generate(
         [Request(p, 24, stop_ids=NO_STOP) for p in PROMPTS])]
     assert got == ref
 

@@ -60,7 +60,7 @@ def test_ar_matches_hf_generate(tiny):
 def test_greedy_exact_with_random_drafter(tiny, family, block, batch):
     t = tiny(family)
     ref = ar_reference(t, PROMPTS, 24)
-    eng = Engine(t, DFlashProposer(random_drafter(t, block_size=16), t), block_size=block)
+    eng = Engine(t, DFlashProposer(random_drafter(t, block_size=16), t), width=block)
     if batch == 1:
         got = [eng.generate([Request(p, 24, stop_ids=NO_STOP)])[0].tokens for p in PROMPTS]
     else:
@@ -73,7 +73,7 @@ def test_greedy_exact_across_acceptance_lengths(tiny, block):
     t = tiny("qwen3")
     ref = ar_reference(t, PROMPTS, 40)
     reqs = [Request(p, 40, stop_ids=NO_STOP, oracle=r) for p, r in zip(PROMPTS, ref)]
-    res = Engine(t, DrafterWithNoisyOracleTokens(random_drafter(t), t), block_size=block).generate(reqs)
+    res = Engine(t, DrafterWithNoisyOracleTokens(random_drafter(t), t), width=block).generate(reqs)
     assert [r.tokens for r in res] == ref
     accepted = [a for r in res for a in r.stats.accepted]
     assert len(set(accepted)) >= min(3, block), "noisy oracle should produce several acceptance lengths"
@@ -83,7 +83,7 @@ def test_oracle_accepts_whole_blocks(tiny):
     t = tiny("llama")
     ref = ar_reference(t, PROMPTS, 33)
     reqs = [Request(p, 33, stop_ids=NO_STOP, oracle=r) for p, r in zip(PROMPTS, ref)]
-    res = Engine(t, OracleProposer(), block_size=8).generate(reqs)
+    res = Engine(t, OracleProposer(), width=8).generate(reqs)
     assert [r.tokens for r in res] == ref
     for r in res:  # 1 token from prefill, then 4 full cycles of 8
         assert r.stats.accepted == [7, 7, 7, 7] and r.stats.tau == 8.0
@@ -94,7 +94,7 @@ def test_caches_equal_fresh_prefill_after_rejections(tiny):
     ref = ar_reference(t, PROMPTS, 30)
     drafter = random_drafter(t)
     prop = DrafterWithNoisyOracleTokens(drafter, t, seed=3)
-    eng = Engine(t, prop, block_size=8)
+    eng = Engine(t, prop, width=8)
     eng.add([Request(p, 30, stop_ids=NO_STOP, oracle=r) for p, r in zip(PROMPTS, ref)])
     for _ in range(3):
         eng.step()
@@ -147,7 +147,7 @@ def test_sampling_follows_target_law_through_engine(tiny, params, draft_vocab):
     drafter = random_drafter(t, block_size=4)
     drafter.set_draft_vocab(draft_vocab)
     N = 6000
-    eng = Engine(t, DFlashProposer(drafter, t), block_size=4, seed=1234)
+    eng = Engine(t, DFlashProposer(drafter, t), width=4, seed=1234)
     # 3 tokens so that the cycle producing x2 drafts (block = min(4, tokens still needed))
     res = eng.generate([Request(prompt, 3, params=params, stop_ids=NO_STOP) for _ in range(N)])
     counts = torch.zeros(t.vocab_size, t.vocab_size)
@@ -193,7 +193,7 @@ def test_stop_tokens_and_limits(tiny):
     ref = ar_reference(t, PROMPTS[:1], 20)[0]
     stop = ref[5]
     first = ref.index(stop)
-    eng = Engine(t, DFlashProposer(random_drafter(t), t), block_size=8)
+    eng = Engine(t, DFlashProposer(random_drafter(t), t), width=8)
     r = eng.generate([Request(PROMPTS[0], 20, stop_ids=frozenset({stop}))])[0]
     assert r.tokens == ref[: first + 1] and r.finish_reason == "stop"
     r = eng.generate([Request(PROMPTS[0], 7, stop_ids=NO_STOP)])[0]
@@ -209,7 +209,7 @@ def test_stop_tokens_and_limits(tiny):
 def test_continuous_batching_joins_and_cancels(tiny):
     t = tiny("qwen3")
     ref = ar_reference(t, PROMPTS, 30)
-    eng = Engine(t, DFlashProposer(random_drafter(t), t), block_size=4)
+    eng = Engine(t, DFlashProposer(random_drafter(t), t), width=4)
     reqs = [Request(p, 30, stop_ids=NO_STOP) for p in PROMPTS]
     done = eng.add(reqs[:2])
     for _ in range(3):
@@ -231,7 +231,7 @@ def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
     t = tiny("llama")
     drafter = random_drafter(t, block_size=8)
     prop = DFlashProposer(drafter, t, max_pending=3)
-    engine = Engine(t, prop, block_size=8, seed=0)
+    engine = Engine(t, prop, width=8, seed=0)
     engine.add([Request(p, 200, stop_ids=NO_STOP) for p in PROMPTS[:2]])
     for k in (1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 2, 1, 1):
         engine.step(k)
@@ -256,7 +256,7 @@ def test_drafter_context_stays_complete_across_ar_and_speculative_steps(tiny):
 def test_cycle_times_add_up_per_row(tiny):
     """Each row's stats are the sum of the cycles it ran (one clock, no per-row drift)."""
     t = tiny("llama")
-    eng = Engine(t, DFlashProposer(random_drafter(t), t), block_size=4)
+    eng = Engine(t, DFlashProposer(random_drafter(t), t), width=4)
     eng.add([Request(p, 9, stop_ids=NO_STOP) for p in PROMPTS[:2]])
     draft = verify = 0.0
     while eng.rows:
@@ -278,7 +278,7 @@ def test_feature_recorder_equals_a_teacher_forced_pass(tiny, family):
     layers = [0, t.num_layers // 2, t.num_layers - 1]
     rec = FeatureRecorder(layers)
     reqs = [Request(p, n, stop_ids=NO_STOP) for p, n in zip(PROMPTS, [7, 1, 12, 4])]
-    results = Engine(t, rec, block_size=1).generate(reqs)
+    results = Engine(t, rec, width=1).generate(reqs)
     assert [r.tokens for r in results] == [ar_reference(t, [r.request.prompt], len(r.tokens))[0] for r in results]
     for r in results:
         seq = r.request.prompt + r.tokens
@@ -290,4 +290,4 @@ def test_feature_recorder_equals_a_teacher_forced_pass(tiny, family):
         assert not got[-1].any()
     assert not rec.done and not rec.live  # every row handed out once
     with pytest.raises(RuntimeError, match="block_size=1"):
-        Engine(t, FeatureRecorder(layers), block_size=4).generate([Request(PROMPTS[0], 3, stop_ids=NO_STOP)])
+        Engine(t, FeatureRecorder(layers), width=4).generate([Request(PROMPTS[0], 3, stop_ids=NO_STOP)])

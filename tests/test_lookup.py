@@ -56,7 +56,7 @@ def test_index_prefers_longest_then_latest_and_never_matches_its_own_suffix():
 def test_lookup_alone_is_greedy_exact_and_drafts_variable_lengths(tiny, batch):
     t = tiny("llama")
     ref = ar_reference(t, REPEATING, 30)
-    eng = Engine(t, LookupProposer(), block_size=8)
+    eng = Engine(t, LookupProposer(), width=8)
     if batch == 1:
         res = [eng.generate([Request(p, 30, stop_ids=NO_STOP)])[0] for p in REPEATING]
     else:
@@ -72,7 +72,7 @@ def test_hybrid_is_greedy_exact_with_both_sources(tiny, family, batch):
     prompts = REPEATING + PROMPTS[:2]
     ref = ar_reference(t, prompts, 32)
     prop = HybridProposer(DFlashProposer(random_drafter(t, block_size=4), t), block_size=4)
-    eng = Engine(t, prop, block_size=8)
+    eng = Engine(t, prop, width=8)
     if batch == 1:
         got = [eng.generate([Request(p, 32, stop_ids=NO_STOP)])[0].tokens for p in prompts]
     else:
@@ -89,7 +89,7 @@ def test_hybrid_drafter_context_stays_complete_through_lookup_cycles(tiny):
     t = tiny("llama")
     drafter = random_drafter(t, block_size=4)
     prop = HybridProposer(DFlashProposer(drafter, t, max_pending=3), block_size=4)
-    eng = Engine(t, prop, block_size=8)
+    eng = Engine(t, prop, width=8)
     eng.add([Request(p, 40, stop_ids=NO_STOP) for p in REPEATING[:2]])
     for _ in range(6):
         eng.step()
@@ -111,7 +111,7 @@ def test_hybrid_q_is_one_hot_on_lookup_positions_and_the_drafters_law_elsewhere(
     params = SamplingParams(temperature=1.0)
     drafter = random_drafter(t, block_size=6)
     prop = HybridProposer(DFlashProposer(drafter, t), block_size=6)
-    eng = Engine(t, prop, block_size=6, seed=0)
+    eng = Engine(t, prop, width=6, seed=0)
     # row 0 will end in (2, 3), seen once before and followed by 4, 2, 3: a 3-token lookup
     eng.add([Request([1, 2, 3, 4, 2], 20, params=params, stop_ids=NO_STOP),
              Request([1, 5, 6, 7], 20, params=params, stop_ids=NO_STOP)])
@@ -138,7 +138,7 @@ def test_hybrid_sampling_follows_target_law(tiny, params):
     prompt = [1, 9, 3, 5, 9, 4, 6, 9, 7, 2, 9]  # x1 in {3, 4, 7} makes the suffix (9, x1) seen before
     N = 6000
     prop = HybridProposer(DFlashProposer(random_drafter(t, block_size=4), t), block_size=4)
-    eng = Engine(t, prop, block_size=4, seed=4321)
+    eng = Engine(t, prop, width=4, seed=4321)
     res = eng.generate([Request(prompt, 3, params=params, stop_ids=NO_STOP) for _ in range(N)])
     counts = torch.zeros(t.vocab_size, t.vocab_size)
     for r in res:

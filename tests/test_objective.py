@@ -167,7 +167,7 @@ def test_training_blocks_draft_what_the_engine_drafts(tiny, window):
     d = random_drafter(t, block_size=4, sliding_window=window)
     prop = RecordingProposer(d, t)
     reqs = [Request(p, 30, stop_ids=frozenset()) for p in ([1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 40, 41, 42])]
-    results = Engine(t, prop, block_size=4, seed=0).generate(reqs)
+    results = Engine(t, prop, width=4, seed=0).generate(reqs)
     head = head_for(d, t)
     checked = 0
     for r in results:

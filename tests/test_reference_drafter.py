@@ -44,14 +44,14 @@ def test_exact_and_accepted_on_held_out_prompts(ref, smollm2):
     _, prompts = load_prompt_ids(t, "sharegpt", 4)  # the holdout split: never trained on
     requests = lambda: [Request(p, 48) for p in prompts]  # noqa: E731
     ar = Engine(t).generate(requests())
-    spec = Engine(t, DFlashProposer(drafter, t), block_size=drafter.config.block_size).generate(requests())
+    spec = Engine(t, DFlashProposer(drafter, t), width=drafter.config.block_size).generate(requests())
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     accepted = [a for r in spec for a in r.stats.accepted]
     tau = 1 + sum(accepted) / len(accepted)
     assert tau >= TAU_FLOOR, f"reference drafter tau {tau:.3f} fell below its floor {TAU_FLOOR}"
     # with prompt lookup beside it (what serving runs): still exact, and it commits more per cycle
     hybrid = HybridProposer(DFlashProposer(drafter, t), drafter.config.block_size)
-    both = Engine(t, hybrid, block_size=8).generate(requests())
+    both = Engine(t, hybrid, width=8).generate(requests())
     assert [r.tokens for r in both] == [r.tokens for r in ar]
     accepted = [a for r in both for a in r.stats.accepted]
     assert hybrid.tally["lookup"] and 1 + sum(accepted) / len(accepted) > tau

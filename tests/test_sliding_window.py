@@ -119,7 +119,7 @@ def test_engine_drafts_what_training_trains(tiny, kinds):
 def test_greedy_exact_with_windowed_drafter(tiny, kinds, batch):
     t = tiny("qwen3")
     ref = ar_reference(t, PROMPTS, 48)
-    eng = Engine(t, DFlashProposer(_windowed(t, window=8, block=8, kinds=kinds), t), block_size=8)
+    eng = Engine(t, DFlashProposer(_windowed(t, window=8, block=8, kinds=kinds), t), width=8)
     if batch == 1:
         got = [eng.generate([Request(p, 48, stop_ids=NO_STOP)])[0].tokens for p in PROMPTS]
     else:
@@ -131,7 +131,7 @@ def test_windowed_cache_stays_bounded_and_equals_recomputed_context(tiny):
     t = tiny("llama")
     d = _windowed(t, window=8, block=4)
     prop = DFlashProposer(d, t, max_pending=3)
-    eng = Engine(t, prop, block_size=4, seed=0)
+    eng = Engine(t, prop, width=4, seed=0)
     eng.add([Request(p, 120, stop_ids=NO_STOP) for p in PROMPTS[:2]])
     sizes = []
     for k in (1, 4, 2, 1, 4, 3) * 8:

@@ -61,9 +61,9 @@ def test_smollm2_speculative_greedy_equals_target_alone(smollm2):
     ar = [r.tokens for r in Engine(t).generate([Request(p, n) for p in prompts])]
     assert ar == hf
     drafter = random_drafter(t, block_size=16, layers=1, mask_token_id=choose_mask_token_id(t.tokenizer))
-    spec = Engine(t, DFlashProposer(drafter.float(), t), block_size=16).generate([Request(p, n) for p in prompts])
+    spec = Engine(t, DFlashProposer(drafter.float(), t), width=16).generate([Request(p, n) for p in prompts])
     assert [r.tokens for r in spec] == hf
-    orc = Engine(t, OracleProposer(), block_size=16).generate([Request(p, n, oracle=h) for p, h in zip(prompts, hf)])
+    orc = Engine(t, OracleProposer(), width=16).generate([Request(p, n, oracle=h) for p, h in zip(prompts, hf)])
     assert [r.tokens for r in orc] == hf
     assert all(r.stats.tau > 8 for r in orc)
 

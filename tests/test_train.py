@@ -282,7 +282,7 @@ def test_exported_drafter_is_exact_in_the_engine(ddp_run, target):
     prompts = [target.encode_chat([{"role": "user", "content": q}]) for q in ("hi", "what is 3 + 4?", "name a cat")]
     requests = lambda: [Request(p, 24) for p in prompts]  # noqa: E731
     ar = Engine(target).generate(requests())
-    spec = Engine(target, DFlashProposer(drafter, target), block_size=BLOCK).generate(requests())
+    spec = Engine(target, DFlashProposer(drafter, target), width=BLOCK).generate(requests())
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert all(r.stats.tau > 1.5 for r in spec)  # the trained drafter is accepted, not just harmless
 

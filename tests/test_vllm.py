@@ -42,7 +42,7 @@ def test_vllm_loads_our_drafter_and_matches_our_engine(setup):
     within noise of ours with the same drafter on the same prompts."""
     target, drafter, prompts, engine = setup
     ar = Engine(target).generate([Request(p, MAX_NEW, stop_ids=frozenset()) for p in prompts])
-    ours = Engine(target, DFlashProposer(drafter, target), block_size=BLOCK).generate(
+    ours = Engine(target, DFlashProposer(drafter, target), width=BLOCK).generate(
         [Request(p, MAX_NEW, stop_ids=frozenset()) for p in prompts])
     tokens, accepted, _ = engine.generate(prompts, MAX_NEW, SamplingParams(0.0, 1.0, 0), stop_ids=frozenset())
     assert tokens == [r.tokens for r in ar]

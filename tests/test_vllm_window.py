@@ -45,7 +45,7 @@ def test_vllm_applies_our_window(setup):
     ar = Engine(target).generate([Request(p, MAX_NEW, stop_ids=frozenset()) for p in prompts])
 
     def ours(drafter):
-        return [sorted(Engine(target, DFlashProposer(drafter, target), block_size=BLOCK).generate(
+        return [sorted(Engine(target, DFlashProposer(drafter, target), width=BLOCK).generate(
             [Request(p, MAX_NEW, stop_ids=frozenset())])[0].stats.accepted) for p in prompts]
 
     theirs = []

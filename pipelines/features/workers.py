@@ -170,7 +170,7 @@ class Regenerate:
                 todo.append((sample_id, prompt))
         todo.sort(key=lambda item: len(item[1]))  # similar lengths are admitted together: less padding
         recorder = FeatureRecorder(record_layers, record_dtype) if record_layers else None
-        engine = Engine(self.target, recorder, block_size=1, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
+        engine = Engine(self.target, recorder, width=1, seed=shard_seed(self.gen["seed"], shard["shard_id"]))
         finished = {}
         for result in continuous_batches(engine, [Request(p, self.gen["max_new_tokens"], self.params, id=i)
                                                   for i, (_, p) in enumerate(todo)], self.gen["batch_size"]):
