@@ -421,8 +421,7 @@ def plan_gib(s: Shapes, layout: str, attention: str, act_bytes: int, feature_byt
         strategy = "deepspeed" if layout == "deepspeed_bf16" else "ddp"
         recipe = SimpleNamespace(train=SimpleNamespace(strategy=strategy, zero_stage=2, online=False),
                                  features=SimpleNamespace(target=SimpleNamespace(dtype="bfloat16")))
-        memory = {**cap.frozen_target_bytes(recipe, target, step), **cap.state_bytes(recipe, step, 1),
-                  **cap.activation_bytes(step), "runtime": cap.RUNTIME_GIB * cap.GIB}
+        memory = cap.plan_memory(recipe, target, step, 1)
         return round(sum(memory.values()) / cap.GIB, 2), f"pipelines/train/capacity.py, {strategy} on 1 worker"
     except Exception as e:  # noqa: BLE001 - the planner's interface may move; the measurement stands
         return None, f"capacity planner not usable here ({type(e).__name__}: {e})"

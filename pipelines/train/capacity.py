@@ -190,7 +190,7 @@ def step_shape(recipe, target: TargetShape, on_gpu: bool) -> StepShape:
                      block=d.block_size, layers=d.num_layers, hidden=target.hidden,
                      intermediate=d.intermediate_size or target.intermediate, heads=target.heads,
                      kv_heads=target.kv_heads, head_dim=target.head_dim,
-                     features=len(d.layer_ids or recipe.features.layer_ids or [0] * recipe.features.num_layers),
+                     features=len(d.layer_ids or recipe.features.layer_ids or []) or recipe.features.num_layers,
                      target_hidden=target.hidden, draft_vocab=d.draft_vocab_size or target.vocab,
                      act_bytes=2 if bf16 else 4, feature_bytes=feature_bytes, attention=attention)
 
@@ -219,6 +219,12 @@ def frozen_target_bytes(recipe, target: TargetShape, s: StepShape) -> dict[str, 
     return out
 
 
+def plan_memory(recipe, target: TargetShape, s: StepShape, world: int) -> dict[str, float]:
+    """Bytes per GPU by item: frozen target, drafter state, the step's activations, runtime."""
+    return {**frozen_target_bytes(recipe, target, s), **state_bytes(recipe, s, world), **activation_bytes(s),
+            "runtime": RUNTIME_GIB * GIB}
+
+
 def step_flops(s: StepShape, target: TargetShape, online: bool) -> dict[str, float]:
     """Forward + backward FLOPs of one step per worker (backward = 2 x forward for the
     trained drafter; the frozen head and the target's pass are forward only)."""
@@ -237,9 +243,13 @@ def step_flops(s: StepShape, target: TargetShape, online: bool) -> dict[str, flo
 
 def data_volume(recipe, target: TargetShape, s: StepShape, opts: PlanOptions) -> dict[str, float]:
     """Stored-mode feature bytes vs online-mode target FLOPs for one pass over the data."""
+    from pipelines.features.format import FeatureLayout
+
     samples = opts.samples or recipe.features.prompts.limit or PAPER_SAMPLES
     tokens = opts.tokens_per_sample or recipe.train.max_length // 2
-    per_token = s.features * target.hidden * DTYPE_BYTES[recipe.features.storage.dtype]
+    storage = recipe.features.storage  # the shards' own planning figure (teacher log-probs included)
+    per_token = FeatureLayout(storage.dtype, tuple(range(s.features)), target.hidden,
+                              storage.teacher_topk).nominal_bytes_per_token
     return {"samples": samples, "tokens_per_sample": tokens, "feature_bytes_per_token": per_token,
             "feature_bytes": samples * tokens * per_token, "target_flops_per_epoch": 2 * target.params * samples * tokens,
             "steps_per_epoch": math.ceil(samples / (recipe.train.batch_size * recipe.train.min_workers))}
@@ -256,8 +266,7 @@ def make_plan(recipe, opts: PlanOptions = PlanOptions(), target: TargetShape | N
     world = t.min_workers
     plan = Plan(recipe=recipe.source, gpu=opts.gpu, gpu_gib=gib, world=world,
                 mode="online" if t.online else "stored")
-    plan.memory = {**frozen_target_bytes(recipe, target, s), **state_bytes(recipe, s, world),
-                   **activation_bytes(s), "runtime": RUNTIME_GIB * GIB}
+    plan.memory = plan_memory(recipe, target, s, world)
     flops = step_flops(s, target, t.online)
     plan.step = {**{f"{k}_tflop": v / 1e12 for k, v in flops.items()}, "assumed_tflops": tflops * MFU,
                  "seconds": sum(flops.values()) / (tflops * MFU * 1e12),
