@@ -4,6 +4,8 @@
     python jobs/loadtest.py --url http://127.0.0.1:8000 --ar-url http://127.0.0.1:8000/ar
     # or start both apps in-process first (1 replica each, drafter vs no drafter)
     python jobs/loadtest.py --start --drafter models:/dflash-smollm2-135m@champion
+    # the same on the vllm backend: the speculative vLLM app against plain vLLM
+    python jobs/loadtest.py --start --backend vllm
 
 AR serving is the same application with ``drafter=none`` (plain AR decoding in the same
 continuous-batching engine); ``--start`` runs it at route ``/ar`` next to the
@@ -37,15 +39,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def replica_counters(url: str, api_key: str | None) -> tuple[float, float] | None:
-    """(replica CPU seconds, generated tokens) summed over the app's replicas, from /metrics."""
+def replica_counters(url: str, api_key: str | None) -> dict | None:
+    """Totals over the app's replicas from /metrics: CPU seconds (None where the backend does
+    not report them: vllm), generated tokens, and the accepted-length sum and count."""
     from serve_app.metrics import scrape_totals
 
     try:
-        totals = scrape_totals(httpx.get(url + "/metrics", timeout=30).text)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the key guards /metrics too
+        totals = scrape_totals(httpx.get(url + "/metrics", headers=headers, timeout=30).text)
     except httpx.HTTPError:
         return None
-    return totals.get("process_cpu_seconds_total", 0.0), totals.get("generated_tokens_total", 0.0)
+    return {"cpu": totals.get("process_cpu_seconds_total"), "tokens": totals.get("generated_tokens_total", 0.0),
+            "tau_sum": totals.get("accepted_length_sum", 0.0), "tau_count": totals.get("accepted_length_count", 0.0)}
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -119,12 +124,14 @@ async def run_level(url: str, prompts: list[list[dict]], concurrency: int, n_req
             per_chunk = r["tokens"] / len(ts)  # tokens per streamed chunk (a verify cycle's output)
             itl += [(b - a) / per_chunk for a, b in zip(ts, ts[1:])]
             tpot.append((ts[-1] - ts[0]) / (r["tokens"] - 1))
-    cpu_per_token = None
+    cpu_per_token, fleet_tau = None, None
     if before is not None:
         await asyncio.sleep(2.5)  # replicas publish their counters every metrics_push_s
         after = replica_counters(url, api_key)
-        if after is not None and after[1] > before[1]:
-            cpu_per_token = (after[0] - before[0]) / (after[1] - before[1])
+        if after is not None and after["tokens"] > before["tokens"] and after["cpu"] is not None:
+            cpu_per_token = (after["cpu"] - before["cpu"]) / (after["tokens"] - before["tokens"])
+        if after is not None and after["tau_count"] > before["tau_count"]:
+            fleet_tau = (after["tau_sum"] - before["tau_sum"]) / (after["tau_count"] - before["tau_count"])
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     taus = [r["tau"] for r in ok if r["tau"] is not None]
     return {
@@ -134,7 +141,9 @@ async def run_level(url: str, prompts: list[list[dict]], concurrency: int, n_req
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "mean_tau": statistics.fmean(taus) if taus else None,
+        # per request (hf: usage.speculative) or, where responses carry none (vllm), the replicas'
+        # accepted-length histogram over the level
+        "mean_tau": statistics.fmean(taus) if taus else fleet_tau,
         "replica_cpu_s_per_token": cpu_per_token,
     }
 
@@ -147,6 +156,23 @@ def load_messages(source: str, limit: int) -> list[list[dict]]:
     return [p.messages for p in prompts]
 
 
+def app_settings(args) -> tuple[dict, dict]:
+    """Settings of the speculative and the AR app: the same app, with and without a drafter."""
+    common = {"backend": args.backend, "target": args.target, "min_replicas": args.replicas,
+              "max_replicas": args.replicas, "replica_cpus": args.replica_cpus,
+              "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
+    if args.backend == "vllm":  # engine limits are vLLM's own (serve_app.vllm_app refuses ours)
+        common["vllm_engine_kwargs"] = {"max_model_len": 2048, "max_num_seqs": max(args.concurrency)}
+        extra = {}
+    else:
+        common.update(max_batch_size=max(args.concurrency), max_tokens_limit=max(args.max_tokens, 16),
+                      torch_threads=args.torch_threads, registry_poll_s=0)
+        extra = {"lookup_block": args.lookup_block}
+    if args.tracking_uri:
+        common["tracking_uri"] = args.tracking_uri
+    return {**common, "drafter": args.drafter, "speculation": args.speculation, **extra}, {**common, "drafter": "none"}
+
+
 def start_apps(args) -> tuple[str, str]:
     """Start the speculative app at /spec and the AR app at /ar in this process."""
     import ray
@@ -154,16 +180,11 @@ def start_apps(args) -> tuple[str, str]:
 
     from serve_app import build_app
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    # an engine replica of the vllm backend holds 2 logical CPUs (actor + placement bundle)
+    ray.init(address="local", num_cpus=args.num_cpus or (8 if args.backend == "vllm" else None),
+             include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    common = {"target": args.target, "min_replicas": args.replicas, "max_replicas": args.replicas,
-              "max_batch_size": max(args.concurrency), "max_tokens_limit": max(args.max_tokens, 16),
-              "replica_cpus": args.replica_cpus, "torch_threads": args.torch_threads, "registry_poll_s": 0,
-              "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
-    if args.tracking_uri:
-        common["tracking_uri"] = args.tracking_uri
-    spec = {**common, "drafter": args.drafter, "speculation": args.speculation, "lookup_block": args.lookup_block}
-    ar = {**common, "drafter": "none"}
+    spec, ar = app_settings(args)
     serve.run(build_app(spec), name="spec", route_prefix="/spec")
     serve.run(build_app(ar), name="ar", route_prefix="/ar")
     base = f"http://127.0.0.1:{args.port}"
@@ -201,6 +222,22 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compare(results: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """Per level, spec/AR throughput and spec/AR tokens per replica CPU second (printed)."""
+    speedup, cpu_speedup = {}, {}
+    if "ar" not in results:
+        return speedup, cpu_speedup
+    for s, a in zip(results["spec"], results["ar"]):
+        if a["tokens_per_s"]:
+            speedup[str(s["concurrency"])] = s["tokens_per_s"] / a["tokens_per_s"]
+        if s["replica_cpu_s_per_token"] and a["replica_cpu_s_per_token"]:
+            cpu_speedup[str(s["concurrency"])] = a["replica_cpu_s_per_token"] / s["replica_cpu_s_per_token"]
+    print("spec/AR throughput:         " + "  ".join(f"c={c}: {v:.2f}x" for c, v in speedup.items()))
+    if cpu_speedup:  # robust to other load on the machine: tokens per replica CPU second
+        print("spec/AR tokens per CPU-sec: " + "  ".join(f"c={c}: {v:.2f}x" for c, v in cpu_speedup.items()))
+    return speedup, cpu_speedup
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="speculative endpoint base URL (without /v1)")
@@ -217,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/loadtest")
     # --start only
     ap.add_argument("--target", default=None)
+    ap.add_argument("--backend", default="hf", choices=("hf", "vllm"), help="the serving backend of both apps")
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--tracking-uri", default=None)
     ap.add_argument("--speculation", default="auto", help="the served mode: auto | off | N (a fixed block)")
@@ -257,20 +295,12 @@ def main(argv=None) -> int:
             print(f"{mode:<5} {c:>4} {row['tokens_per_s']:8.1f} {ms(row['ttft_p50_s'])} {ms(row['ttft_p99_s'])}"
                   f"{ms(row['itl_p50_s'])}{ms(row['itl_p99_s'])} {ms(row['tpot_p50_s'])} {tau} {cpu} "
                   f"{row['errors']:>4}", flush=True)
-    speedup, cpu_speedup = {}, {}
-    if "ar" in results:
-        for s, a in zip(results["spec"], results["ar"]):
-            if a["tokens_per_s"]:
-                speedup[str(s["concurrency"])] = s["tokens_per_s"] / a["tokens_per_s"]
-            if s["replica_cpu_s_per_token"] and a["replica_cpu_s_per_token"]:
-                cpu_speedup[str(s["concurrency"])] = a["replica_cpu_s_per_token"] / s["replica_cpu_s_per_token"]
-        print("spec/AR throughput:         " + "  ".join(f"c={c}: {v:.2f}x" for c, v in speedup.items()))
-        if cpu_speedup:  # robust to other load on the machine: tokens per replica CPU second
-            print("spec/AR tokens per CPU-sec: " + "  ".join(f"c={c}: {v:.2f}x" for c, v in cpu_speedup.items()))
+    speedup, cpu_speedup = compare(results)
     report = {"urls": modes, "max_tokens": args.max_tokens, "requests_per_level": args.requests,
               "lookup_block": args.lookup_block if args.start else None,
               "prompts": args.prompts, "results": results, "speedup": speedup, "cpu_speedup": cpu_speedup,
-              "started_in_process": args.start, "drafter": args.drafter if args.start else None}
+              "started_in_process": args.start, "drafter": args.drafter if args.start else None,
+              "backend": args.backend if args.start else None}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loadtest.json").write_text(json.dumps(report, indent=2))

@@ -228,12 +228,18 @@ class ExtractSection:
 @dataclass
 class StorageSection:
     dtype: Literal["float16", "bfloat16", "int8"] = "float16"
-    samples_per_shard: int = option(64, check=POSITIVE)
+    samples_per_shard: int = option(64, check=POSITIVE)  # the unit of work a restart redoes or skips
+    # a shard's file is closed and the next one started once it holds this many bytes
+    # (between row groups): files sized by bytes whatever the samples' lengths
+    shard_bytes: int = option(256_000_000, check=POSITIVE)
     compression: Literal["none", "zstd"] = "none"  # for the features column
     # K > 0: also store the target's top-K next-token log-probs per position (distillation
     # targets for train.distill; K x 6 bytes a token, from the teacher-forced pass)
     teacher_topk: int = option(0, check=(lambda v: 0 <= v <= 256, "in [0, 256]"))
     options: dict = option(factory=dict)  # fsspec options: endpoint_url, region, key, secret, ...
+    # > 0: this share of the samples (by id hash) goes to held-out shards that training
+    # evaluates on without reading the training shards (0: training splits by id hash)
+    holdout_fraction: float = option(0.0, check=(lambda v: 0 <= v < 1, "in [0, 1)"))
 
 
 @dataclass
@@ -287,6 +293,8 @@ class FeaturesConfig:
             content["extract"] = {"from_generation": True}
         if self.storage.teacher_topk:  # likewise
             content["storage"]["teacher_topk"] = self.storage.teacher_topk
+        if self.storage.holdout_fraction:  # likewise
+            content["storage"]["holdout_fraction"] = self.storage.holdout_fraction
         return content
 
 

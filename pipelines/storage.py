@@ -70,20 +70,32 @@ def is_local(fs: AbstractFileSystem) -> bool:
 
 
 class HashingWriter:
-    """A write-only file object that hashes (sha256) and counts what passes through."""
+    """A write-only file object that hashes (sha256) and counts what passes through, as a
+    whole and in segments cut by :meth:`cut` (a shard's row groups: a reader can check one
+    range of the object without reading the rest)."""
 
     def __init__(self, raw):
         self.raw = raw
         self.sha = hashlib.sha256()
         self.nbytes = 0
         self.closed = False
+        self._segment = hashlib.sha256()
+        self._segment_start = 0
 
     def write(self, data) -> int:
         view = memoryview(data)
         self.sha.update(view)
+        self._segment.update(view)
         self.raw.write(view)
         self.nbytes += view.nbytes
         return view.nbytes
+
+    def cut(self) -> dict:
+        """``{offset, length, sha256}`` of the bytes written since the last cut (or the start)."""
+        segment = {"offset": self._segment_start, "length": self.nbytes - self._segment_start,
+                   "sha256": self._segment.hexdigest()}
+        self._segment, self._segment_start = hashlib.sha256(), self.nbytes
+        return segment
 
     def tell(self) -> int:
         return self.nbytes
@@ -197,6 +209,15 @@ def sha256_file(fs: AbstractFileSystem, path: str) -> tuple[str, int]:
             sha.update(chunk)
             n += len(chunk)
     return sha.hexdigest(), n
+
+
+def read_range(fs: AbstractFileSystem, path: str, offset: int, length: int) -> bytes:
+    """``length`` bytes of a stored object from ``offset``: one ranged read (an HTTP range
+    request on S3), nothing cached around it."""
+    data = fs.cat_file(path, start=offset, end=offset + length)
+    if len(data) != length:
+        raise IOError(f"{path}: read {len(data)} bytes at offset {offset}, expected {length} (truncated object?)")
+    return data
 
 
 def download(fs: AbstractFileSystem, path: str, local_path: str) -> tuple[str, int]:

@@ -6,7 +6,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming o
 The ingress validates requests (bad input -> OpenAI-style error JSON with a 4xx status)
 and relays them to the paired replicas through a streaming ``DeploymentHandle``; it
 holds no model. If ``$DFLASH_API_KEY`` (the variable named by ``api_key_env``) is set,
-``/v1/*`` requires ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+every route requires ``Authorization: Bearer <key>`` (:class:`APIKeyGuard`, in front of the
+whole app, FastAPI's ``/docs`` and ``/openapi.json`` included; the vllm backend's ingress
+uses the same guard).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real annotations
@@ -22,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import protocol
@@ -64,6 +67,46 @@ def check_api_key(authorization: str | None, expected: str | None) -> None:
                        code="invalid_api_key")
 
 
+class APIKeyGuard:
+    """ASGI middleware: with a key set, every HTTP request must carry it (401 otherwise).
+    In front of the whole app, so no route, present or added later, is left open. CORS
+    preflights (OPTIONS) pass: browsers send them without credentials."""
+
+    def __init__(self, app, key: str | None):
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.key and scope["type"] == "http" and scope["method"] != "OPTIONS":
+            try:
+                check_api_key(Headers(scope=scope).get("authorization"), self.key)
+            except APIError as e:
+                await error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def guard_app(asgi_app, key: str | None):
+    """``asgi_app`` with :class:`APIKeyGuard` outermost. Called from Serve's
+    ``_set_asgi_app`` hook, where a replica installs its own (not yet started) copy of the
+    FastAPI app: the only place both the app and the replica's key are at hand."""
+    if isinstance(asgi_app, FastAPI):
+        asgi_app.add_middleware(APIKeyGuard, key=key)  # last added runs first
+        return asgi_app
+    return APIKeyGuard(asgi_app, key)
+
+
+async def render_metrics(hub, http_counts: dict | None = None) -> Response:
+    """``/metrics`` on both backends: every live replica's snapshot from the app's
+    ``MetricsHub``, as Prometheus text."""
+    try:
+        replicas = await asyncio.wait_for(hub.collect.remote(), timeout=10)
+    except Exception as e:
+        log.warning("metrics hub unavailable: %s", e)
+        replicas = {}
+    return PlainTextResponse(render_prometheus(replicas, http_counts), media_type="text/plain; version=0.0.4")
+
+
 def _upstream_error(e: BaseException) -> APIError:
     """Map a failure between ingress and replica to a clean 5xx."""
     name = type(e).__name__
@@ -88,6 +131,9 @@ class OpenAIIngress:
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
         self.http_counts: dict[tuple[str, int], int] = defaultdict(int)
 
+    def _set_asgi_app(self, asgi_app) -> None:
+        super()._set_asgi_app(guard_app(asgi_app, self.api_key))
+
     # ------------------------------------------------------------------ plumbing
     def _count(self, endpoint: str, status: int) -> None:
         self.http_counts[(endpoint, status)] += 1
@@ -110,7 +156,6 @@ class OpenAIIngress:
 
     async def _handle(self, request: Request, endpoint: str, parse) -> Response:
         try:
-            check_api_key(request.headers.get("authorization"), self.api_key)
             job = parse(protocol.parse_json(await request.body()), self.limits)
             gen, first = await self._first_event(job)
         except APIError as e:
@@ -193,10 +238,7 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
-            check_api_key(request.headers.get("authorization"), self.api_key)
             info = await asyncio.wait_for(self.replica.info.remote(), timeout=30)
-        except APIError as e:
-            return error_response(e)
         except Exception as e:
             info = {"error": str(_upstream_error(e))}
         card = {"id": self.limits.model_name, "object": "model", "created": 0, "owned_by": "dflash-ray",
@@ -216,10 +258,4 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        try:
-            replicas = await asyncio.wait_for(self.hub.collect.remote(), timeout=10)
-        except Exception as e:
-            log.warning("metrics hub unavailable: %s", e)
-            replicas = {}
-        return PlainTextResponse(render_prometheus(replicas, dict(self.http_counts)),
-                                 media_type="text/plain; version=0.0.4")
+        return await render_metrics(self.hub, dict(self.http_counts))

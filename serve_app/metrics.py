@@ -25,6 +25,8 @@ accepted_draft_tokens_total    counter    drafted tokens the target accepted, by
 process_cpu_seconds_total      counter    CPU time of the replica process (compare modes on a
                                           shared machine: CPU seconds per generated token)
 drafter_info{source,version}   gauge      1 for the drafter in use
+accepted_tokens_per_position_  counter    drafted tokens accepted at each draft position
+  total{position}                         (vllm backend only, from vLLM's counter)
 http_requests_total            counter    ingress requests by endpoint and status
 =============================  =========  ===============================================
 """
@@ -219,6 +221,8 @@ _HELP = {
     "tokens_per_second": ("gauge", "Recent output tokens per second"),
     "tau": ("gauge", "Recent mean tokens committed per request per cycle"),
     "drafter_info": ("gauge", "Drafter in use (value 1)"),
+    "accepted_tokens_per_position_total": ("counter", "Drafted tokens accepted at each draft position "
+                                           "(vllm backend: vLLM's per-position counter)"),
     "process_cpu_seconds_total": ("counter", "CPU seconds used by the replica process"),
 }
 
@@ -244,6 +248,8 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
         full = prefix + name
         lines += [f"# HELP {full} {help_}", f"# TYPE {full} {kind}"]
         for rid, snap in sorted(replicas.items()):
+            if name not in snap and name != "drafter_info":
+                continue  # a figure this replica's backend does not measure (vllm: cycle timings)
             if name == "drafter_info":
                 d = snap.get("drafter") or {}
                 labels = _labels(replica=rid, source=d.get("source", ""), version=d.get("version", ""))
@@ -263,6 +269,9 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
             elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
                 for src, n in sorted(snap.get(name, {}).items()):
                     lines.append(f"{full}{_labels(replica=rid, source=src)} {n}")
+            elif name == "accepted_tokens_per_position_total":
+                for pos, n in enumerate(snap[name]):
+                    lines.append(f"{full}{_labels(replica=rid, position=pos)} {_fmt(n)}")
             else:
                 lines.append(f"{full}{_labels(replica=rid)} {_fmt(snap.get(name, 0))}")
     if http_counts is not None:

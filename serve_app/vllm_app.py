@@ -14,11 +14,15 @@ What differs from the ``hf`` backend, and why:
 * The drafter is the one :func:`serve_app.registry.choose_drafter` picks, as on the hf
   backend, but vLLM fixes the number of drafted tokens at engine start: ``speculation``
   "auto" means the drafter's own B, and the drafter does not follow a moving alias
-  (redeploy to pick up a new champion).
-* Autoscaling: Serve's default ongoing-requests policy (Ray Serve LLM's server does not
-  publish the acceptance our policy needs).
+  (redeploy to pick up a new champion; docs/serving.md says why).
+* Autoscaling and ``/metrics``: as on the hf backend. The engine replica is our subclass of
+  Ray Serve LLM's server (:mod:`serve_app.vllm_server`, ``LLMConfig.server_cls``), which reads
+  vLLM's spec-decode counters in-process and publishes tau, tokens/s and ongoing requests to
+  :class:`serve_app.autoscaling.AcceptanceAwarePolicy` and snapshots to the app's
+  ``MetricsHub``, rendered at ``/metrics`` with the hf backend's names.
 * Our ingress subclass (:func:`checked_ingress_class`) keeps what the hf backend promises
-  at the HTTP entry: the bearer key of ``api_key_env``, and an OpenAI-style 400 naming a
+  at the HTTP entry: the bearer key of ``api_key_env`` on every route (the same
+  :class:`serve_app.ingress.APIKeyGuard`), and an OpenAI-style 400 naming a
   parameter speculative decoding cannot honour (vLLM would ignore ``logit_bias`` and
   ``min_p`` with a drafter). Settings this backend cannot honour are refused by name
   (:func:`check_settings`), never silently dropped.
@@ -32,6 +36,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from serve_app.autoscaling import autoscaling_config_dict
 from serve_app.config import ServeConfig
 from specdec.assets import EMBEDDED_NAMES
 
@@ -49,8 +54,6 @@ UNSUPPORTED = {
     "registry_poll_s": "vLLM fixes its drafter at engine start; redeploy to follow a moved alias",
     "max_batch_size": "set vllm_engine_kwargs.max_num_seqs",
     "max_prefill_tokens": "set vllm_engine_kwargs.max_num_batched_tokens",
-    "tau_exponent": "this backend autoscales with Serve's default policy (no acceptance stats)",
-    "tau_cap": "this backend autoscales with Serve's default policy (no acceptance stats)",
     "torch_threads": "vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
 }
 
@@ -98,7 +101,12 @@ def resolve_on_node(source: dict) -> tuple[str, int]:
             raise FileNotFoundError(
                 f"drafter directory {path} does not exist on node {socket.gethostname()}, where the engine runs: "
                 "serve a models:/<name>@<alias> drafter (fetched on each node) or put it on shared storage")
-    return str(path), read_config(path).block_size
+    from specdec.dflash2 import refuse_on_vllm_cpu
+    from specdec.vllm_engine import on_gpu
+
+    cfg = read_config(path)
+    refuse_on_vllm_cpu(cfg, str(path), on_gpu())
+    return str(path), cfg.block_size
 
 
 def drafter_on_node_class():
@@ -138,47 +146,58 @@ def refusal(body, speculative: bool) -> str | None:
 
 
 def checked_ingress_class():
-    """Ray Serve LLM's OpenAI ingress with our API-key check and refusals."""
+    """Ray Serve LLM's OpenAI ingress with our API-key guard and refusals."""
     from fastapi import Request
     from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
     from ray.serve.llm.ingress import OpenAiIngress
     from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-    from serve_app.ingress import check_api_key
-    from serve_app.protocol import APIError
+    from serve_app.ingress import guard_app, render_metrics
 
     class CheckedIngress(OpenAiIngress):
-        def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, **kwargs):
+        def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, hub=None,
+                     **kwargs):
             super().__init__(*args, **kwargs)
             self._api_key = os.environ.get(api_key_env) or None
             self._speculative = speculative
+            self._hub = hub  # the app's MetricsHub: engine replicas publish there, /metrics renders
 
-        def _check(self, request: Request, body=None) -> None:
-            try:
-                check_api_key(request.headers.get("authorization"), self._api_key)
-            except APIError as e:
-                raise OpenAIHTTPException(status_code=e.status, message=e.message, type=e.type) from None
-            name = refusal(body, self._speculative) if body is not None else None
+        def _set_asgi_app(self, asgi_app) -> None:
+            # Serve installs the replica's copy of the FastAPI app here: the key check goes
+            # in front of all of it (the inherited embeddings, score, audio, tokenize and
+            # detokenize routes and FastAPI's docs included), as on the hf backend
+            if self._hub is not None:
+                asgi_app.add_api_route("/metrics", self.metrics, methods=["GET"])
+            super()._set_asgi_app(guard_app(asgi_app, self._api_key))
+
+        async def metrics(self):
+            """The hf backend's ``/metrics``: the engine replicas' snapshots, same names."""
+            return await render_metrics(self._hub)
+
+        def _check(self, body) -> None:
+            name = refusal(body, self._speculative)
             if name:
                 raise OpenAIHTTPException(
                     status_code=400, type="invalid_request_error",
                     message=f"'{name}' is not supported by this server: speculative decoding verifies drafts "
                             "against the target model's own distribution, which it would change.")
 
-        async def models(self, request: Request):
-            self._check(request)
-            return await super().models()
-
-        async def model_data(self, model: str, request: Request):
-            self._check(request)
-            return await super().model_data(model)
+        async def models(self):
+            """Ray Serve LLM's model list, each card's ``metadata.drafter`` the drafter(s) the
+            engine replicas serve now (from their metrics)."""
+            listing = await super().models()
+            snaps = await self._hub.collect.remote() if self._hub is not None else {}
+            served = sorted({(s["drafter"]["source"], s["drafter"]["version"]) for s in snaps.values()})
+            for card in listing.data:
+                card.metadata["drafter"] = [{"source": src, "version": v} for src, v in served]
+            return listing
 
         async def completions(self, body: CompletionRequest, request: Request):
-            self._check(request, body)
+            self._check(body)
             return await super().completions(body, request)
 
         async def chat(self, body: ChatCompletionRequest, request: Request):
-            self._check(request, body)
+            self._check(body)
             return await super().chat(body, request)
 
     return CheckedIngress
@@ -198,6 +217,13 @@ def node_source(choice: "DrafterChoice") -> dict | None:
     return {"kind": "path", "path": choice.path}
 
 
+def drafter_info(source: dict | None) -> dict:
+    """The drafter as ``dflash_drafter_info`` labels it (source, version)."""
+    if source is None:
+        return {"source": "", "version": ""}
+    return {"source": source.get("uri") or source.get("path", ""), "version": source.get("version", "")}
+
+
 def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> dict:
     """Keyword arguments of ``ray.serve.llm.LLMConfig`` for this app (a plain dict, so it is
     built and tested without vLLM)."""
@@ -208,18 +234,18 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
         "model_loading_config": {"model_id": cfg.served_model_name, "model_source": str(target_path)},
         "engine_kwargs": engine_kwargs,
         "deployment_config": {
-            # Serve's default policy: Ray Serve LLM's server publishes no acceptance stats
-            "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
-                                   "initial_replicas": cfg.initial_replicas,
-                                   "target_ongoing_requests": cfg.target_ongoing_requests,
-                                   "upscale_delay_s": cfg.upscale_delay_s,
-                                   "downscale_delay_s": cfg.downscale_delay_s,
-                                   "look_back_period_s": cfg.look_back_period_s},
+            # the hf backend's policy, fed the same stats (serve_app/vllm_server.py publishes them)
+            "autoscaling_config": autoscaling_config_dict(cfg),
             "max_ongoing_requests": cfg.replica_max_ongoing_requests,
             "max_queued_requests": cfg.max_queued_requests,
         },
-        "log_engine_metrics": True,
+        # vLLM's stat logger then writes to the replica's own prometheus registry, where our
+        # server class (serve_app/vllm_server.py) reads the spec-decode counters in-process
+        "log_engine_metrics": False,
+        "server_cls": "serve_app.vllm_server:DFlashLLMServer",
+        "experimental_configs": {"dflash": {"metrics_push_s": cfg.metrics_push_s, "drafter": drafter_info(source)}},
     }
+    engine_kwargs["disable_log_stats"] = False
     if on_cpu(cfg):
         out["accelerator_config"] = {"kind": "cpu"}
         engine_kwargs["enforce_eager"] = True  # no graph capture to pay for on CPU
@@ -241,7 +267,12 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
         out["callback_config"] = {"callback_class": "serve_app.vllm_app:DrafterOnNode",
                                   "callback_kwargs": {"source": source, "embedded_target": embedded,
                                                       "speculation": block}}
-    engine_kwargs.update(cfg.vllm_engine_kwargs)
+    extra = dict(cfg.vllm_engine_kwargs)
+    if source is not None and isinstance(extra.get("speculative_config"), dict):
+        # merged, not replaced: e.g. a num_speculative_tokens_per_batch_size schedule
+        # (serve_app/vllm_schedule.py) beside the drafter this app chose
+        engine_kwargs["speculative_config"].update(extra.pop("speculative_config"))
+    engine_kwargs.update(extra)
     return out
 
 
@@ -261,6 +292,7 @@ def build_vllm_app(cfg: ServeConfig):
     """The Ray Serve LLM OpenAI app for ``cfg`` (needs vLLM and ``ray[llm]``'s Python deps)."""
     from ray.serve.llm import LLMConfig, build_openai_app
 
+    from serve_app.metrics import MetricsHub
     from serve_app.registry import choose_drafter
     from specdec.target import resolve_target_path
 
@@ -273,7 +305,8 @@ def build_vllm_app(cfg: ServeConfig):
         "llm_configs": [llm_config],
         "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",
                                "ingress_extra_kwargs": {"api_key_env": cfg.api_key_env,
-                                                        "speculative": source is not None}},
+                                                        "speculative": source is not None,
+                                                        "hub": MetricsHub.bind(ttl_s=max(15.0, 5 * cfg.metrics_push_s))}},
         # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
         "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},
     })

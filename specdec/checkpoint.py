@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.checkpoint_format import DrafterConfig
+from specdec.dflash2 import build_drafter
 from specdec.draft_vocab import load_vocab, remove_vocab, save_vocab
 from specdec.drafter import DFlashDrafter
 
@@ -74,7 +75,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str
     state = {k.removeprefix("model."): v for k, v in state.items()
              if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head"))}
     stored = next(iter(state.values())).dtype
-    drafter = DFlashDrafter(cfg).to(stored)  # load at the stored precision, cast after
+    drafter = build_drafter(cfg).to(stored)  # DFlash or DFlash2 by the architecture; stored precision, cast after
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{path}: tensors missing={sorted(missing)} unexpected={sorted(unexpected)}")

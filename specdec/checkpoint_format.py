@@ -44,6 +44,8 @@ class DrafterConfig:
     # layer_types null means every layer sliding when sliding_window is set, else all full
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # DFlash2 settings (specdec/dflash2.py; ``dflash_config`` keys of a DFlash2DraftModel); None: DFlash
+    dflash2: dict | None = None
     extra: dict = field(default_factory=dict)  # our lineage, stored under "dflash_ray"
 
     def __post_init__(self):
@@ -55,6 +57,8 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         self.layer_types = check_layer_types(self.layer_types, self.sliding_window, self.num_hidden_layers,
                                              self.block_size, self.max_position_embeddings)
+        if self.dflash2 is not None:
+            self.dflash2 = check_dflash2(self.dflash2, self.hidden_size, self.vocab_size)
 
     @property
     def layer_windows(self) -> list[int | None]:
@@ -96,10 +100,12 @@ class DrafterConfig:
                 "block_size": self.block_size,
                 # vLLM makes sliding layers causal unless told; ours are bidirectional in the block
                 **({"causal": False, "swa_window_size": self.sliding_window} if self.sliding_window else {}),
+                **(self.dflash2 or {}),
             },
             # Qwen3Config keeps sliding_window only with use_sliding_window (the official code reads it)
             **({"sliding_window": self.sliding_window, "use_sliding_window": True} if self.sliding_window else {}),
             "dflash_ray": self.extra,
+            **(dflash2_hf_keys(self.dflash2) if self.dflash2 is not None else {}),
         }
 
     @classmethod
@@ -131,7 +137,7 @@ class DrafterConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             target_hidden_size=d.get("target_hidden_size"), sliding_window=window, layer_types=layer_types,
-            extra=dict(d.get("dflash_ray") or {}),
+            dflash2=published_dflash2(d), extra=dict(d.get("dflash_ray") or {}),
         )
 
     def as_dict(self) -> dict:
@@ -205,3 +211,52 @@ def refuse_unsupported_attention(d: dict) -> None:
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
         if kind not in (None, "default"):
             raise ValueError(f"drafter config.json: {name}.rope_type={kind!r} is not supported (only 'default' RoPE)")
+
+
+DFLASH2_ARCH = "DFlash2DraftModel"
+#: DFlash2's ``dflash_config`` keys and the values a new drafter gets (a two-tap convolution
+#: per 16-channel group, the published shape; rank and K sized for small targets)
+DFLASH2_DEFAULTS = {"conv_group_size": 16, "conv_kernel_size": 2, "selector_rank": 32, "selector_top_k": 8,
+                    "output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+
+
+def check_dflash2(settings: dict, hidden_size: int, vocab_size: int) -> dict:
+    """DFlash2 settings completed with the defaults and validated (errors name the key)."""
+    unknown = sorted(set(settings) - set(DFLASH2_DEFAULTS))
+    if unknown:
+        raise ValueError(f"dflash2: unknown key(s) {unknown}; expected some of {sorted(DFLASH2_DEFAULTS)}")
+    out = {**DFLASH2_DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k == "final_logit_softcapping"}}
+    for key in ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"dflash2.{key}: expected an int >= 1, got {v!r}")
+    if hidden_size % out["conv_group_size"]:
+        raise ValueError(f"dflash2.conv_group_size: {out['conv_group_size']} must divide hidden_size {hidden_size}")
+    if out["selector_top_k"] > vocab_size:
+        raise ValueError(f"dflash2.selector_top_k: {out['selector_top_k']} exceeds vocab_size {vocab_size}")
+    for key in ("output_multiplier", "input_embedding_scale"):
+        if isinstance(out[key], bool) or not isinstance(out[key], (int, float)) or out[key] <= 0:
+            raise ValueError(f"dflash2.{key}: expected a number > 0, got {out[key]!r}")
+    cap = out["final_logit_softcapping"]
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0):
+        raise ValueError(f"dflash2.final_logit_softcapping: expected null or a number >= 0, got {cap!r}")
+    out["final_logit_softcapping"] = float(cap) if cap else None  # 0 means off, as vLLM reads it
+    return out
+
+
+def dflash2_hf_keys(settings: dict) -> dict:
+    """The published DFlash2 top-level keys: the architecture and ``is_causal: false`` (its
+    settings go under ``dflash_config``)."""
+    return {"architectures": [DFLASH2_ARCH], "is_causal": False}
+
+
+def published_dflash2(d: dict) -> dict | None:
+    """A published config's DFlash2 settings (None for a DFlash drafter)."""
+    if DFLASH2_ARCH not in (d.get("architectures") or []):
+        return None
+    dfc = d.get("dflash_config") or {}
+    missing = [f"dflash_config.{k}" for k in ("conv_group_size", "conv_kernel_size", "selector_rank",
+                                               "selector_top_k") if k not in dfc]
+    if missing:
+        raise ValueError(f"a {DFLASH2_ARCH} config lacks {', '.join(missing)}")
+    return {k: dfc[k] for k in DFLASH2_DEFAULTS if k in dfc}

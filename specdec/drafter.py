@@ -195,7 +195,7 @@ def with_window(drafter: DFlashDrafter, window: int | None,
     """The same weights with sliding-window draft attention of ``window`` (None: full
     attention) in every layer, or in the layers ``layer_types`` marks sliding."""
     cfg = DrafterConfig(**{**drafter.config.as_dict(), "sliding_window": window, "layer_types": layer_types})
-    out = DFlashDrafter(cfg).to(drafter.dtype)
+    out = type(drafter)(cfg).to(drafter.dtype)  # DFlash or DFlash2
     out.load_state_dict(drafter.state_dict())
     out.set_draft_vocab(drafter.draft_vocab)
     return out.eval().requires_grad_(False)

@@ -244,7 +244,14 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
     if distill > 0 and teacher is not None:
         src = (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).clamp(max=T - 1)  # p - 1
         soft = teacher_law(*_teacher_at(src, sel, teacher), vocab_index)
-    ce, top = head_loss(logits_fn, hidden[sel], labels, soft, distill)
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: + the selector's CE; top = its pick
+        from specdec.dflash2 import selector_head_loss
+
+        prev = input_ids.gather(1, (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).flatten(1)
+                                .clamp(max=T - 1)).view_as(blocks.labels)[sel]  # the gold token before each
+        ce, top = selector_head_loss(drafter, logits_fn, hidden[sel], labels, prev, soft, distill)
+    else:
+        ce, top = head_loss(logits_fn, hidden[sel], labels, soft, distill)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-6)
 
     with torch.no_grad():

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import kvcache
+from specdec.dflash2 import is_dflash2, walk
 from specdec.draft_vocab import head_for
 from specdec.engine import Engine
 from specdec.lookup import NgramIndex
@@ -96,9 +97,14 @@ class DFlashProposer:
         past = kvcache.physical_len(self.cache)
         mask = self.drafter.layer_masks(lambda w: kvcache.attention_mask(self.lens, past, width, False, w))
         ctx = [(layer.keys, layer.values) for layer in self.cache.layers]
+        params = [r.request.params for r in engine.rows]
+        if is_dflash2(self.drafter):  # the selector's walk over the head's top-K candidates
+            hidden = self.drafter(self.target.embed(block), pos, ctx, mask, block_len=width)[:, 1: k + 1]
+            cand, scores = self.drafter.lattice(self.head(hidden.to(self.target.dtype)), hidden, engine.anchors,
+                                                self.head.to_target)
+            return walk(cand, scores, params, self.target.vocab_size, engine.generator)
         hidden = self.drafter(self.target.embed(block), pos, ctx, mask)
         logits = self.head(hidden[:, 1: k + 1].to(self.target.dtype))
-        params = [r.request.params for r in engine.rows]
         if all(p.greedy for p in params):
             return self.head.to_target(logits.argmax(-1)), None
         # q is the drafter's true proposal law: the same transform, zero outside V_d

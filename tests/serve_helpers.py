@@ -127,3 +127,30 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def ingress_fastapi_app(application):
+    """The FastAPI app a built Serve application's ingress serves (Serve freezes a copy of
+    it into the ingress class when the app is built): the routes a client can reach."""
+    from fastapi import FastAPI
+
+    init = application._bound_deployment.func_or_class.__dict__["__init__"]
+    (app,) = [c.cell_contents for c in init.__closure__ or () if isinstance(c.cell_contents, FastAPI)]
+    return app
+
+
+def route_statuses(fastapi_app, url: str, headers: dict) -> dict[str, int]:
+    """The status of one request to every route of ``fastapi_app`` served at ``url``
+    (path parameters filled with 'x', POST bodies '{}'), keyed by 'METHOD path'."""
+    import re
+
+    import httpx
+
+    out = {}
+    for route in fastapi_app.routes:
+        for method in sorted(set(getattr(route, "methods", None) or ()) - {"HEAD", "OPTIONS"}):
+            path = re.sub(r"\{[^}]*\}", "x", route.path)
+            r = httpx.request(method, url + path, headers=headers, timeout=120,
+                              json={} if method == "POST" else None)
+            out[f"{method} {route.path}"] = r.status_code
+    return out

@@ -233,32 +233,69 @@ def test_rayjob_entrypoints_exist(fname):
 
 
 def test_rayservice_serve_config_imports_and_policy():
+    """Each RayService's serveConfigV2 passes Ray's schema, imports the local app, and its
+    args build that backend's app config with our autoscaling policy (the vllm one a valid Ray
+    Serve LLM ``LLMConfig``, nothing refused by check_settings)."""
+    import importlib
+
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
     from serve_app.autoscaling import POLICY_PATH, autoscaling_config_dict
     from serve_app.config import load_config
 
-    (svc,) = _by_kind("RayService")
-    serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
-    ServeDeploySchema.model_validate(serve_cfg)  # Ray's own schema for `serve deploy` files
     local_cfg = yaml.safe_load((REPO / "serve_app" / "config.yaml").read_text())
     local_imports = {a["import_path"] for a in local_cfg["applications"]}
-    gpu_max = max(g["maxReplicas"] for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"])
-    for app in serve_cfg["applications"]:
-        assert app["import_path"] in local_imports  # the same app as serve_app/config.yaml
-        module, attr = app["import_path"].split(":")
-        import importlib
+    backends = set()
+    for svc in _by_kind("RayService"):
+        serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
+        ServeDeploySchema.model_validate(serve_cfg)  # Ray's own schema for `serve deploy` files
+        gpu_max = max(g["maxReplicas"] for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"])
+        for app in serve_cfg["applications"]:
+            assert app["import_path"] in local_imports  # the same app as serve_app/config.yaml
+            module, attr = app["import_path"].split(":")
+            assert callable(getattr(importlib.import_module(module), attr))
+            cfg = load_config(app.get("args"))  # every arg is a ServeConfig field
+            backends.add(cfg.backend)
+            assert cfg.replica_gpus >= 1 and cfg.max_replicas <= gpu_max, svc["metadata"]["name"]
+            if cfg.backend == "vllm":
+                _check_vllm_app_config(cfg)
+            auto = autoscaling_config_dict(cfg)  # both backends' engine deployments use it
+            assert auto["policy"]["policy_function"] == POLICY_PATH
+            AutoscalingConfig(**auto)  # Serve accepts the policy
+            pmod, pfn = POLICY_PATH.split(":")
+            assert callable(getattr(importlib.import_module(pmod), pfn))
+    assert backends == {"hf", "vllm"}
 
-        assert callable(getattr(importlib.import_module(module), attr))
-        cfg = load_config(app.get("args"))  # every arg is a ServeConfig field
-        assert cfg.backend == "hf" and cfg.replica_gpus >= 1
-        auto = autoscaling_config_dict(cfg)
-        assert auto["policy"]["policy_function"] == POLICY_PATH
-        AutoscalingConfig(**auto)  # Serve accepts the policy
-        pmod, pfn = POLICY_PATH.split(":")
-        assert callable(getattr(importlib.import_module(pmod), pfn))
-        assert cfg.max_replicas <= gpu_max, "one replica per GPU pod: raise the gpu group's maxReplicas"
+
+def _check_vllm_app_config(cfg) -> None:
+    pytest.importorskip("vllm")
+    from ray.serve.llm import LLMConfig
+
+    from serve_app.vllm_app import check_settings, vllm_llm_config
+
+    check_settings(cfg)
+    source = {"kind": "registry", "tracking_uri": "http://dflash-mlflow:5000", "name": "dflash-smollm2-135m",
+              "version": "1", "uri": "models:/dflash-smollm2-135m/1"}
+    llm = LLMConfig(**vllm_llm_config(cfg, "/models/target", source))
+    assert llm.engine_kwargs["speculative_config"]["method"] == "dflash"
+
+
+def test_rayservices_take_the_api_key_from_a_secret():
+    """Every pod of a RayService (the app's ingress may land on any) reads the app's
+    api_key_env from a Secret, not optional: the service cannot come up without a key."""
+    for svc in _by_kind("RayService"):
+        apps = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+        names = {(a.get("args") or {}).get("api_key_env", "DFLASH_API_KEY") for a in apps}
+        cluster = svc["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"]["template"]["spec"]]
+        pods += [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+        for pod in pods:
+            for c in pod["containers"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                for name in names:
+                    ref = env[name]["valueFrom"]["secretKeyRef"]
+                    assert ref["name"] and ref["key"] and not ref.get("optional", False), svc["metadata"]["name"]
 
 
 # ============================================================================ local stack

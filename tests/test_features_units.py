@@ -135,6 +135,10 @@ def test_manifest_check_names_the_field():
         with pytest.raises(ManifestMismatchError) as err:
             check_manifest(m, "u", **kwargs)
         assert err.value.field == name and f"'{name}'" in str(err.value)
+    check_manifest(m | {"schema_version": 2}, "u")  # row-group digests, held-out shards
+    with pytest.raises(ManifestMismatchError) as err:
+        check_manifest(m | {"schema_version": 3}, "u")
+    assert err.value.field == "schema_version"
 
 
 # ---------------------------------------------------------------------------- storage
@@ -325,6 +329,42 @@ def test_shard_writer_overlapped_io_writes_the_same_bytes(tiny_dir, tmp_path):
     assert table.column("id").to_pylist() == ["b", "c", "a"]  # length-sorted mini-batches
     assert table.column("loss_mask").to_pylist()[2] == [0, 0, 1, 1]
     assert record["skipped"] == {"d": "prompt_too_long"} and record["layout"]["layer_ids"] == [1, 4]
+
+
+def test_shards_are_cut_into_files_by_bytes_and_streamed_back_row_group_by_row_group(tiny_dir, tmp_path):
+    """storage.shard_bytes: a shard's rows go to files that close once they hold that many
+    bytes; every file lists its row groups' ranges and digests, and streaming them back
+    gives the rows of the single-file shard."""
+    from pipelines import storage
+    from pipelines.features.pipeline import _shard_entries, stream_shard
+    from pipelines.features.workers import ShardWriter
+    from specdec.target import load_target
+
+    target = load_target(str(tiny_dir))
+    lengths = [3, 9, 4, 12, 5, 7, 6, 8, 10, 11]
+    shard = {"shard_id": "00001", "ids": [f"r{i}" for i in range(10)],
+             "input_ids": [list(range(5, 5 + n)) for n in lengths], "prompt_tokens": [2] * 10,
+             "finish_reason": ["stop"] * 10, "skipped_ids": [], "skipped_reasons": [], "gen_tokens": 0,
+             "gen_seconds": 0.0, "gen_pid": 0}
+    records = {}
+    for name, limit in (("one", None), ("cut", 3000)):
+        ShardWriter(target, [1, 2], "float16", "none", 2, str(tmp_path / name), {}, "k", "m",
+                    shard_bytes=limit).write_shard(shard)
+        records[name] = json.loads((tmp_path / name / "progress" / "shard-00001.json").read_text())
+    one, cut = (_shard_entries(records[n], "train") for n in ("one", "cut"))
+    assert len(one) == 1 and len(cut) >= 3
+    assert sum(e["rows"] for e in cut) == 10 and sum(e["tokens"] for e in cut) == sum(lengths)
+    biggest_group = max(g["length"] for e in cut for g in e["row_groups"])
+    for entry in cut[:-1]:  # every file but the last passed the limit by less than one row group
+        body = entry["footer"]["offset"]
+        assert 3000 <= body < 3000 + biggest_group
+    rows = {}
+    for name, entries in (("one", one), ("cut", cut)):
+        fs, root = storage.filesystem(str(tmp_path / name))
+        rows[name] = [r for e in entries for t in stream_shard(fs, storage.join(root, e["path"]), e)
+                      for r in t.to_pylist()]
+    assert [r["id"] for r in rows["cut"]] == [r["id"] for r in rows["one"]] and len(rows["one"]) == 10
+    assert all(a["features"] == b["features"] for a, b in zip(rows["cut"], rows["one"]))
 
 
 def test_teacher_logprobs_are_the_target_law_of_the_teacher_forced_pass(tiny_dir, tmp_path):

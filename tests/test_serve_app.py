@@ -22,8 +22,8 @@ import pytest
 import ray
 from ray import serve
 
-from serve_helpers import (ar_tokens, free_port, load, make_drafter, metric_value, private_dir, restore_env,
-                           register_drafter, sse_events, tiny_target_dir, wait_for)
+from serve_helpers import (ar_tokens, free_port, ingress_fastapi_app, load, make_drafter, metric_value, private_dir,
+                           register_drafter, restore_env, route_statuses, sse_events, tiny_target_dir, wait_for)
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -96,7 +96,7 @@ def _serve(root):
 
 # ---------------------------------------------------------------------- happy paths
 def test_health_models_and_metrics(server):
-    health = httpx.get(server.url + "/health", timeout=30)  # no key needed
+    health = server.client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     card = server.models()
     assert card["id"] == MODEL and card["drafter"]["version"] == "1" and card["drafter"]["block_size"] == 8
@@ -251,12 +251,20 @@ def test_bad_input_gives_openai_error_and_server_stays_healthy(server, name, pat
     assert server.client.get("/health").json()["status"] == "ok"
 
 
-def test_api_key_is_required_when_configured(server):
+def test_api_key_guards_every_route(server):
+    """Every route of the built app (FastAPI's docs included) answers 401 without the right
+    key and something else with it."""
+    from serve_app import build_app
+
+    app = ingress_fastapi_app(build_app({"drafter": "none"}))
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+        assert set(route_statuses(app, server.url, headers).values()) == {401}
+    keyed = route_statuses(app, server.url, {"Authorization": f"Bearer {API_KEY}"})
+    assert {"GET /health", "GET /metrics", "GET /v1/models", "GET /openapi.json"} <= set(keyed)
+    assert all(s != 401 and s < 500 for s in keyed.values()), keyed
 
 
 # ---------------------------------------------------------------------- faults

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -495,6 +494,7 @@ def test_choose_drafter_is_the_one_rule_of_both_backends(tiny, monkeypatch):
 
 # ---------------------------------------------------------------------- vLLM backend config
 def test_vllm_backend_config_is_a_valid_llm_config(tiny):
+    from serve_app.autoscaling import autoscaling_config_dict
     from serve_app.vllm_app import vllm_llm_config
 
     root, target = tiny
@@ -511,8 +511,18 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert d["model_loading_config"] == {"model_id": "smollm2-135m", "model_source": "/models/target"}
     assert d["accelerator_type"] == "H100" and "accelerator_config" not in d
     auto = d["deployment_config"]["autoscaling_config"]
-    assert auto["max_replicas"] == 8 and "policy" not in auto  # Serve's default policy on this backend
+    assert auto == autoscaling_config_dict(cfg)  # the hf backend's policy, tau_* included
+    # our server class reads vLLM's counters from its own registry: vLLM's Prometheus logger on
+    assert d["server_cls"] == "serve_app.vllm_server:DFlashLLMServer" and d["log_engine_metrics"] is False
+    assert d["engine_kwargs"]["disable_log_stats"] is False
+    assert d["experimental_configs"]["dflash"]["drafter"] == {"source": str(drafter_dir), "version": ""}
     assert d["deployment_config"]["max_queued_requests"] == 256  # honoured, not dropped
+    sched = [[1, 4, 3], [5, 64, 0]]
+    scheduled = vllm_llm_config(load_config({"backend": "vllm", "vllm_engine_kwargs": {
+        "speculative_config": {"num_speculative_tokens_per_batch_size": sched}}}), "/t", source)
+    assert scheduled["engine_kwargs"]["speculative_config"] == {
+        "method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": 1,
+        "num_speculative_tokens_per_batch_size": sched}  # merged into ours, not replacing it
     fixed = vllm_llm_config(load_config({"backend": "vllm", "speculation": 4}), "/t", source)
     assert fixed["callback_config"]["callback_kwargs"]["speculation"] == 4
     assert fixed["engine_kwargs"]["speculative_config"]["num_speculative_tokens"] == 3
@@ -520,12 +530,15 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert "speculative_config" not in cpu["engine_kwargs"] and cpu["engine_kwargs"]["enforce_eager"]
     assert cpu["accelerator_config"] == {"kind": "cpu"}
     assert cpu["placement_group_config"] == {"bundles": [{"CPU": 1.0, "engine_node": 1}]}
-    # Ray Serve LLM's own schema accepts it (its pydantic model imports without starting vLLM)
+    # Ray Serve LLM's own schema accepts it (resolving server_cls imports vLLM, starts nothing)
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
+    from serve_app.autoscaling import POLICY_PATH
+
+    assert auto["policy"]["policy_function"] == POLICY_PATH
     parsed = LLMConfig(**d)
     assert parsed.engine_kwargs["speculative_config"]["method"] == "dflash"
-    assert "vllm" not in sys.modules
+    assert parsed.server_cls.__name__ == "DFlashLLMServer"
 
 
 @pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
@@ -536,6 +549,73 @@ def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
     check_settings(load_config({"backend": "vllm"}))  # the defaults pass
     with pytest.raises(UnsupportedSetting, match=f"^{setting} is not supported by backend=vllm"):
         check_settings(load_config({"backend": "vllm", setting: value}))
+
+
+def test_vllm_replica_stats_from_vllm_counters():
+    """vLLM's counters (the reader's shapes) give the hf names: tau = 1 + accepted/drafts
+    over the window, the A+1 histogram from the per-position counts, tokens/s, ongoing."""
+    from types import SimpleNamespace as NS
+
+    from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
+    from serve_app.metrics import render_prometheus, scrape_totals
+    from serve_app.vllm_server import VLLMReplicaStats, read_counters
+
+    def reading(drafts, per_pos, generated, running=0.0, waiting=0.0):
+        spec = "vllm:spec_decode_"
+        return read_counters([
+            NS(name=spec + "num_drafts", labels={}, value=drafts),
+            NS(name=spec + "num_draft_tokens", labels={}, value=3 * drafts),
+            NS(name=spec + "num_accepted_tokens", labels={}, value=sum(per_pos)),
+            NS(name=spec + "num_accepted_tokens_per_pos", labels={"engine": "0"}, values=per_pos),
+            NS(name="vllm:generation_tokens", labels={}, value=generated),
+            NS(name="vllm:num_requests_running", labels={}, value=running),
+            NS(name="vllm:num_requests_waiting", labels={}, value=waiting),
+            NS(name="vllm:request_success", labels={"finished_reason": "stop"}, value=2)])
+
+    stats = VLLMReplicaStats(block_size=4, drafter={"source": "models:/d/1", "version": "1"}, window_s=10)
+    assert stats.autoscaling() == {METRIC_ONGOING: 0.0, METRIC_TAU: 1.0, METRIC_TPS: 0.0}  # idle
+    stats.update(reading(0, [0, 0, 0], 0), at=0.0)
+    # 5 drafts accepting 0,0,1,1,2 tokens (per position: 3 at 0, 1 at 1, 0 at 2) -> tau 1.8
+    stats.update(reading(5, [3, 1, 0], 9, running=2, waiting=1), at=3.0)
+    assert stats.autoscaling() == {METRIC_ONGOING: 3.0, METRIC_TAU: 1.8, METRIC_TPS: 3.0}
+    snap = stats.snapshot()
+    assert snap["accepted_length"]["counts"][:3] == [2, 2, 1] and snap["accepted_length"]["count"] == 5
+    assert stats.tau() == snap["tau"] == 1.8
+    # the window slides: the old reading drops out, the recent rate stays
+    stats.update(reading(5, [3, 1, 0], 9), at=20.0)
+    stats.update(reading(5, [3, 1, 0], 9), at=31.0)
+    assert stats.autoscaling()[METRIC_TAU] == 1.0 and stats.autoscaling()[METRIC_TPS] == 0.0
+    text = render_prometheus({"r1": snap})
+    totals = scrape_totals(text)
+    assert totals["tau"] == 1.8 and totals["generated_tokens_total"] == 9 and totals["block_size"] == 4
+    assert totals["accepted_draft_tokens_total"] == {"dflash": 4} and totals["draft_tokens_total"] == {"dflash": 15}
+    assert 'dflash_accepted_tokens_per_position_total{replica="r1",position="1"} 1' in text
+    assert "dflash_draft_seconds" not in text.replace("# HELP dflash_draft_seconds", "").replace(
+        "# TYPE dflash_draft_seconds", "")  # not measured on this backend: not rendered as zeros
+    assert totals["drafter_info"] == {"source": "models:/d/1", "version": "1"}
+
+
+def test_vllm_draft_schedule_from_the_cost_model():
+    """The per-batch-size schedule for vLLM follows choose_block_size at every batch size:
+    the full block while verify is cheap, off (0 drafted) once the batch fills; contiguous
+    ranges from 1 that vLLM's own validator accepts."""
+    from serve_app.adaptive import CostModel, choose_block_size
+    from serve_app.vllm_schedule import draft_schedule
+
+    cost = CostModel(draft_width=4)
+    for rows in (1, 2, 4, 8, 16):
+        for k in (1, 2, 3, 4):  # verify: 20 ms + 2 ms per token; the drafter: 1 ms per row
+            cost.observe(rows, k, 0.001 * rows if k > 1 else None, 0.02 + 0.002 * rows * k)
+    survival = [0.6, 0.4, 0.25]
+    sched = draft_schedule(survival, cost, max_rows=16, max_block=4)
+    assert sched[0][0] == 1 and sched[0][2] == 3 and sched[-1] == (sched[-1][0], 16, 0)  # full block alone, off when full
+    assert all(b[0] == a[1] + 1 for a, b in zip(sched, sched[1:]))  # contiguous, merged
+    for first, last, drafted in sched:
+        for rows in range(first, last + 1):
+            assert choose_block_size(survival, cost, rows, 4)[0] == drafted + 1
+    assert draft_schedule([0.0, 0.0, 0.0], cost, max_rows=8, max_block=4) == [(1, 8, 0)]  # never pays
+    vllm_utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils")
+    assert vllm_utils.validate_and_normalize_dynamic_sd_schedule([list(r) for r in sched]) == sched
 
 
 def test_vllm_ingress_refuses_what_speculation_would_ignore():

@@ -14,18 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from node_helpers import node_env
 
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 24, 4
-
-
-def _node_env(root: Path, name: str) -> dict:
-    """A node's own local directories: nothing a worker writes there is seen by another node."""
-    d = root / name
-    (d / "cache").mkdir(parents=True)
-    (d / "tmp").mkdir()
-    return {"DFLASH_CACHE": str(d / "cache"), "TMPDIR": str(d / "tmp")}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +31,8 @@ def two_nodes(tmp_path_factory):
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     with loopback_s3("dflash") as options:
         # 3 logical CPUs a node: one training worker (2) fits per node, 1 is left for Ray Data's reads
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "env_vars": _node_env(root, "head")})
-        node = c.add_node(num_cpus=3, env_vars=_node_env(root, "node-b"))
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "env_vars": node_env(root, "head")})
+        node = c.add_node(num_cpus=3, env_vars=node_env(root, "node-b"))
         ray.init(address=c.address, log_to_driver=False, logging_level="warning")
         try:
             yield {"cluster": c, "node": node, "root": root, "s3": options}
@@ -80,7 +73,7 @@ def _lose_a_node_after_a_checkpoint(env: dict, fs, run: str) -> int:
                 if "checkpoint-step" in p]
         if done and max(done) >= EVERY * 2:
             env["cluster"].remove_node(env["node"])
-            env["cluster"].add_node(num_cpus=3, env_vars=_node_env(env["root"], "node-c"))
+            env["cluster"].add_node(num_cpus=3, env_vars=node_env(env["root"], "node-c"))
             return max(done)
         time.sleep(0.2)
     raise AssertionError("no checkpoint past the first within 600 s")

@@ -3,9 +3,13 @@
 A run directory (local path or ``s3://bucket/prefix``)::
 
     run.json              the settings the run was started with (restarts must match)
-    shards/shard-00000-<attempt>.parquet
-    progress/shard-00000.json   commit record of one shard: its file, rows, sha256, ...
-    manifest.json         written LAST: the run is complete and these shards are its data
+    shards/shard-00000-<attempt>[-<k>].parquet   a shard's files, each closed at storage.shard_bytes
+    progress/shard-00000.json   commit record of one shard: its files, rows, sha256s, ...
+    manifest.json         written LAST: the run is complete and these shards are its data;
+                          per shard also ``row_groups`` ({offset, length, rows, sha256} of each
+                          row group's byte range) and ``footer`` (the same for the Parquet
+                          footer), so a reader checks one row group at a time; held-out shards
+                          (``storage.holdout_fraction``) carry ``"split": "holdout"``
 
 One Parquet row per sample (:func:`shard_schema`):
 
@@ -44,7 +48,8 @@ import pyarrow as pa
 import torch
 
 FORMAT = "dflash-features"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-row-group digests and held-out shards in the manifest
+READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: whole-file sha256 only, every shard for training
 STORED_DTYPES = ("float16", "bfloat16", "int8")
 _ITEM_BYTES = {"float16": 2, "bfloat16": 2, "int8": 1}
 
@@ -243,8 +248,9 @@ def check_manifest(manifest: dict, uri: str, *, target_identity: str | None = No
     the reader expects (None: not checked)."""
     if manifest.get("format") != FORMAT:
         raise ManifestMismatchError(uri, "format", manifest.get("format"), FORMAT)
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ManifestMismatchError(uri, "schema_version", manifest.get("schema_version"), SCHEMA_VERSION)
+    if manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise ManifestMismatchError(uri, "schema_version", manifest.get("schema_version"),
+                                    " or ".join(map(str, READABLE_SCHEMA_VERSIONS)))
     checks = [
         ("target.identity", manifest["target"]["identity"], target_identity),
         ("layer_ids", list(manifest["layer_ids"]), None if layer_ids is None else [int(i) for i in layer_ids]),

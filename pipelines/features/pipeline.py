@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -61,6 +62,7 @@ class ShardPlan:
     ids: tuple[str, ...]
     messages: tuple[str, ...]  # JSON, one per sample
     answers: tuple[str | None, ...] | None = None  # the dataset's answers (generation.backend: dataset)
+    split: str = "train"  # "holdout": written for evaluation (storage.holdout_fraction), never trained on
 
     def as_row(self) -> dict:
         row = {"shard_id": self.shard_id, "ids": list(self.ids), "messages": list(self.messages)}
@@ -69,6 +71,7 @@ class ShardPlan:
 
 def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
     """The run's shards and a hash of the prompt list they came from."""
+    from pipelines.train.data import holdout_mask
     from specdec.prompts import load_prompts
 
     p = cfg.prompts
@@ -91,12 +94,23 @@ def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
         if with_answers:
             answers.append(prompt.reference)
             digest.update(f"{prompt.reference}\x1e".encode())
-    n = cfg.storage.samples_per_shard
-    width = max(5, len(str((len(ids) - 1) // n)))
-    shards = [ShardPlan(f"{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]),
-                        tuple(answers[i: i + n]) if with_answers else None)
-              for k, i in enumerate(range(0, len(ids), n))]
+    held = holdout_mask(ids, cfg.storage.holdout_fraction) if cfg.storage.holdout_fraction else [False] * len(ids)
+    shards = []
+    for split, prefix in (("train", ""), ("holdout", "h")):
+        keep = [i for i, h in enumerate(held) if h == (split == "holdout")]
+        shards += _cut_shards([ids[i] for i in keep], [messages[i] for i in keep],
+                              [answers[i] for i in keep] if with_answers else None,
+                              cfg.storage.samples_per_shard, prefix, split)
     return shards, digest.hexdigest()
+
+
+def _cut_shards(ids: list[str], messages: list[str], answers: list | None, n: int, prefix: str,
+                split: str) -> list[ShardPlan]:
+    """Consecutive shards of ``n`` samples, ids ``<prefix><k>`` (held-out shards: ``h<k>``)."""
+    width = max(5, len(str(max(0, len(ids) - 1) // n)))
+    return [ShardPlan(f"{prefix}{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]),
+                      tuple(answers[i: i + n]) if answers is not None else None, split)
+            for k, i in enumerate(range(0, len(ids), n))]
 
 
 def _start_or_resume(fs, root: str, uri: str, cfg: FeaturesConfig, plan_hash: str, num_shards: int) -> str:
@@ -297,16 +311,16 @@ def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardPlan], 
     for shard, rec in zip(plan, ordered):
         if sorted(rec["ids"] + list(rec["skipped"])) != sorted(shard.ids):
             raise RuntimeError(f"shard {shard.shard_id} does not hold exactly its planned samples")
-    manifest = _manifest(cfg, ordered)
+    manifest = _manifest(cfg, ordered, [s.split for s in plan])
     storage.write_json(fs, storage.join(root, MANIFEST), manifest)  # the run's commit point
-    _remove_orphans(fs, root, {rec["path"] for rec in ordered})
+    _remove_orphans(fs, root, {entry["path"] for entry in manifest["shards"]})
     log.info("committed %s: %d samples, %d tokens, %s in %d shards (%.1f bytes/token, nominal %d)", uri,
              manifest["num_samples"], manifest["num_tokens"], _human(manifest["num_bytes"]), len(ordered),
              manifest["bytes_per_token"], manifest["nominal_bytes_per_token"])
     return manifest
 
 
-def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
+def _manifest(cfg: FeaturesConfig, records: list[dict], splits: list[str]) -> dict:
     first = records[0]
     layout = first["layout"]
     nominal = FeatureLayout.from_manifest(layout).nominal_bytes_per_token
@@ -339,8 +353,24 @@ def _manifest(cfg: FeaturesConfig, records: list[dict]) -> dict:
         "nominal_bytes_per_token": nominal,
         "num_skipped": sum(skipped.values()),
         "skipped": dict(skipped),
-        "shards": [{k: r[k] for k in ("shard_id", "path", "rows", "tokens", "bytes", "sha256")} for r in records],
+        "holdout": {"fraction": cfg.storage.holdout_fraction,
+                    "num_samples": sum(r["rows"] for r, s in zip(records, splits) if s == "holdout"),
+                    "num_shards": splits.count("holdout")},
+        "shards": [entry for r, s in zip(records, splits) for entry in _shard_entries(r, s)],
     }
+
+
+def _shard_entries(record: dict, split: str) -> list[dict]:
+    """A shard's manifest entries, one per file (shards sized by bytes may have several);
+    each with the byte range and sha256 of every row group and of the footer, so that
+    readers stream and check a row group at a time (records written before those existed
+    have one file and none: their readers check the whole file)."""
+    tag = {"split": split} if split == "holdout" else {}
+    if "files" not in record:
+        return [{k: record[k] for k in ("shard_id", "path", "rows", "tokens", "bytes", "sha256")} | tag]
+    keys = ("path", "rows", "tokens", "bytes", "sha256", "row_groups", "footer")
+    return [{"shard_id": record["shard_id"], "part": k, **{key: f[key] for key in keys}, **tag}
+            for k, f in enumerate(record["files"])]
 
 
 def _remove_orphans(fs, root: str, keep: set[str]) -> None:
@@ -415,7 +445,9 @@ def _check_shard(fs, root: str, entry: dict) -> tuple[str | None, list[str], int
     try:
         _check_digest(entry, *storage.sha256_file(fs, path))
         with fs.open(path, "rb") as f:
-            table = pq.read_table(f, columns=["id", "num_tokens"])
+            # no Arrow thread pool inside our own threads: with it, about 1 exit in 4 aborted
+            # ("terminate called without an active exception", pyarrow 2026-12, 8 threads)
+            table = pq.read_table(f, columns=["id", "num_tokens"], use_threads=False)
     except CorruptShardError as e:
         return e.reason, [], 0
     except FileNotFoundError:
@@ -439,9 +471,9 @@ def _check_digest(entry: dict, sha256: str, nbytes: int) -> None:
 
 @contextmanager
 def _verified_local_file(fs, path: str, entry: dict, verify: bool) -> Iterator[str]:
-    """A local file holding the shard (the file itself on a local filesystem, else a
-    streamed temporary copy), checked against its manifest entry on the way: memory
-    stays at one chunk whatever the shard's size."""
+    """Shards listed without row-group digests (runs made before them): a local file
+    holding the shard (the file itself on a local filesystem, else a streamed temporary
+    copy), checked against its whole-file sha256 before any row is read."""
     if storage.is_local(fs):
         if verify:
             _check_digest(entry, *storage.sha256_file(fs, path))
@@ -458,17 +490,21 @@ def _verified_local_file(fs, path: str, entry: dict, verify: bool) -> Iterator[s
 # ---------------------------------------------------------------------------- reader
 def read_features(uri: str, *, target_identity: str | None = None, layer_ids: list[int] | None = None,
                   hidden_size: int | None = None, tokenizer_hash: str | None = None,
-                  storage_options: dict | None = None, verify_checksums: bool = True):
+                  storage_options: dict | None = None, verify_checksums: bool = True,
+                  split: str | None = None):
     """A ``ray.data.Dataset`` of the rows of a committed run (schema in
     :mod:`pipelines.features.format`; decode with ``FeatureLayout.from_manifest(m).decode_row``).
 
     Raises :class:`~pipelines.features.format.ManifestMismatchError` naming the manifest
     field that differs from the expected target identity, layer ids, hidden size or
     tokenizer (None: not checked; ``feature_format.expected_for(target, layer_ids)``
-    gives all four). With ``verify_checksums`` every shard is checked against its size
-    and sha256 as it is read, and a bad one fails the read naming it. A read task streams
-    one shard at a time (through a temporary local copy for object stores) and yields
-    blocks of a few rows, so memory does not grow with the shard size.
+    gives all four). ``split`` ("train" or "holdout") reads only the shards written for
+    that share (:func:`shard_split`); None reads them all.
+
+    A read task streams its shard a row group at a time: one ranged read of the footer,
+    then one per row group, each checked against the sha256 the manifest lists for that
+    range (with ``verify_checksums``) before a row of it is used, so memory is one row
+    group and the first rows arrive after reading the footer and one row group.
     """
     import ray.data
 
@@ -477,17 +513,32 @@ def read_features(uri: str, *, target_identity: str | None = None, layer_ids: li
     manifest = load_manifest(uri, options)
     check_manifest(manifest, uri, target_identity=target_identity, layer_ids=layer_ids, hidden_size=hidden_size,
                    tokenizer_hash=tokenizer_hash)
-    entries = [{k: e[k] for k in ("path", "rows", "bytes", "sha256")} for e in manifest["shards"]]
+    entries = [{"entry": json.dumps(e)} for e in manifest["shards"] if split is None or shard_split(e) == split]
+    if not entries:
+        raise ValueError(f"the feature run at {uri} has no {split} shards (see features.storage.holdout_fraction)")
     ds = ray.data.from_items(entries, override_num_blocks=len(entries))
-    return ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow",
-                          fn_kwargs={"uri": uri, "options": options, "verify": verify_checksums})
+    ds = ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow",
+                        fn_kwargs={"uri": uri, "options": options, "verify": verify_checksums})
+    # each yielded part leaves the task as its own block: Ray Data would otherwise gather
+    # parts up to 128 MB (a whole small shard) before the first row reaches a consumer
+    ds.context.target_max_block_size = 1
+    return ds
+
+
+def shard_split(entry: dict) -> str:
+    """"holdout" for a shard written as held-out rows, else "train"."""
+    return entry.get("split", "train")
 
 
 def _read_shards(entries: pa.Table, uri: str, options: dict, verify: bool):
-    """Yield the rows of each listed shard in small batches, after checking its bytes."""
+    """Yield the rows of each listed shard in small batches, each part checked first."""
     fs, root = storage.filesystem(uri, options)
-    for entry in entries.to_pylist():
-        with _verified_local_file(fs, storage.join(root, entry["path"]), entry, verify) as local:
+    for entry in map(json.loads, entries.column("entry").to_pylist()):
+        path = storage.join(root, entry["path"])
+        if "row_groups" in entry:
+            yield from stream_shard(fs, path, entry, verify)
+            continue
+        with _verified_local_file(fs, path, entry, verify) as local:
             shard = pq.ParquetFile(local)
             if shard.metadata.num_rows != entry["rows"]:
                 raise CorruptShardError(entry["path"], f"{shard.metadata.num_rows} rows, manifest says {entry['rows']}")
@@ -495,10 +546,104 @@ def _read_shards(entries: pa.Table, uri: str, options: dict, verify: bool):
                 yield pa.Table.from_batches([batch])
 
 
+def stream_shard(fs, path: str, entry: dict, verify: bool = True, columns: list[str] | None = None):
+    """The rows of one shard in blocks of a few rows, read a row group at a time by ranged
+    reads, each range checked against its manifest digest before it is parsed. With
+    ``columns`` only those columns' bytes are fetched (and, being part of a row group,
+    not checked: for token counts, never for training rows)."""
+    meta = _shard_footer(fs, path, entry, verify)
+    if meta.num_rows != entry["rows"] or meta.num_row_groups != len(entry["row_groups"]):
+        raise CorruptShardError(entry["path"], f"{meta.num_rows} rows in {meta.num_row_groups} row groups, "
+                                               f"manifest says {entry['rows']} in {len(entry['row_groups'])}")
+    for i, group in enumerate(entry["row_groups"]):
+        if columns is None:
+            data = storage.read_range(fs, path, group["offset"], group["length"])
+            if verify and hashlib.sha256(data).hexdigest() != group["sha256"]:
+                raise CorruptShardError(entry["path"], f"row group {i}: sha256 differs from the manifest")
+            pieces = [(group["offset"], data)]
+        else:
+            pieces = [(start, storage.read_range(fs, path, start, end - start))
+                      for start, end in _column_ranges(meta.row_group(i), columns)]
+        table = pq.ParquetFile(_RangeFile(pieces, entry["bytes"], entry["path"]), metadata=meta).read_row_group(
+            i, columns=columns)
+        if table.num_rows != group["rows"]:
+            raise CorruptShardError(entry["path"], f"row group {i}: {table.num_rows} rows, manifest says "
+                                                   f"{group['rows']}")
+        for batch in table.to_batches(max_chunksize=_READ_ROWS):
+            yield pa.Table.from_batches([batch])
+
+
+def _column_ranges(group: pq.RowGroupMetaData, columns: list[str]) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of ``columns``' chunks in one row group, neighbours merged
+    (the token columns sit side by side: one read)."""
+    spans = []
+    for j in range(group.num_columns):
+        col = group.column(j)
+        if col.path_in_schema.split(".")[0] in columns:
+            start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+            spans.append((start, start + col.total_compressed_size))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _shard_footer(fs, path: str, entry: dict, verify: bool) -> pq.FileMetaData:
+    """The shard's Parquet metadata, from one ranged read of its footer (checked)."""
+    foot = entry["footer"]
+    data = storage.read_range(fs, path, foot["offset"], foot["length"])
+    if verify and hashlib.sha256(data).hexdigest() != foot["sha256"]:
+        raise CorruptShardError(entry["path"], "footer: sha256 differs from the manifest")
+    size = int.from_bytes(data[-8:-4], "little")  # Parquet: metadata, its length (4 bytes), "PAR1"
+    if data[-4:] != b"PAR1" or size + 8 > len(data):
+        raise CorruptShardError(entry["path"], "footer: not a Parquet footer")
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + data[-8 - size:]))
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only ``pieces`` ((offset, bytes) each)
+    are held: pyarrow reads one row group's column chunks through it; a read outside
+    them (a row group spilling past its manifest entry) is a corrupt shard, never a fetch."""
+
+    def __init__(self, pieces: list[tuple[int, bytes]], size: int, name: str):
+        self.pieces = [(offset, memoryview(data)) for offset, data in pieces]
+        self.size, self.name, self.pos = size, name, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        for offset, data in self.pieces:
+            lo = self.pos - offset
+            if 0 <= lo and lo + n <= len(data):
+                buf[:n] = data[lo: lo + n]
+                self.pos += n
+                return n
+        raise CorruptShardError(self.name, f"a row group reaches bytes {self.pos}..{self.pos + n}, outside its "
+                                           "manifest range")
+
+
 def response_token_counts(uri: str, storage_options: dict | None, vocab_size: int,
                           holdout_fraction: float = 0.0) -> torch.Tensor:
-    """Response-token frequencies (V,) of a committed run, reading only the token columns
-    of each shard; rows held out by ``holdout_fraction`` (by id hash) are left out."""
+    """Response-token frequencies (V,) of a committed run's training rows, reading only
+    the token columns: held-out shards never count, nor (in runs without them) the rows
+    that ``holdout_fraction`` holds out by id hash."""
     from pipelines.train.data import holdout_mask
     from specdec.draft_vocab import count_tokens
 
@@ -506,13 +651,28 @@ def response_token_counts(uri: str, storage_options: dict | None, vocab_size: in
     options = storage.resolve_options(uri, storage_options)
     fs, root = storage.filesystem(uri, options)
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for entry in load_manifest(uri, options)["shards"]:
-        with fs.open(storage.join(root, entry["path"]), "rb") as f:
-            table = pq.read_table(f, columns=["id", "input_ids", "loss_mask"])
-        held = holdout_mask(table.column("id").to_pylist(), holdout_fraction) if holdout_fraction > 0 else None
-        pairs = zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())
-        counts += count_tokens((p for i, p in enumerate(pairs) if held is None or not held[i]), vocab_size)
+    manifest = load_manifest(uri, options)
+    if has_holdout_shards(manifest):
+        holdout_fraction = 0.0  # the held-out rows are in their own shards
+    for entry in manifest["shards"]:
+        if shard_split(entry) == "holdout":
+            continue
+        path, columns = storage.join(root, entry["path"]), ["id", "input_ids", "loss_mask"]
+        if "row_groups" in entry:
+            tables = stream_shard(fs, path, entry, verify=False, columns=columns)
+        else:
+            with fs.open(path, "rb") as f:
+                tables = [pq.read_table(f, columns=columns)]
+        for table in tables:
+            held = holdout_mask(table.column("id").to_pylist(), holdout_fraction) if holdout_fraction > 0 else None
+            pairs = zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())
+            counts += count_tokens((p for i, p in enumerate(pairs) if held is None or not held[i]), vocab_size)
     return counts
+
+
+def has_holdout_shards(manifest: dict) -> bool:
+    """Whether the run wrote held-out rows to shards of their own (``storage.holdout_fraction``)."""
+    return any(shard_split(e) == "holdout" for e in manifest["shards"])
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -529,4 +689,5 @@ def _human(n: float) -> str:
 
 
 __all__ = ["run_features", "verify_features", "read_features", "load_manifest", "plan_shards", "commit",
+           "has_holdout_shards", "shard_split", "stream_shard",
            "check_target_early", "VerifyReport", "ShardPlan"]

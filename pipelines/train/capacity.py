@@ -265,14 +265,14 @@ def make_plan(recipe, opts: PlanOptions = PlanOptions(), target: TargetShape | N
     s = step_shape(recipe, target, on_gpu=t.use_gpu)
     world = t.min_workers
     plan = Plan(recipe=recipe.source, gpu=opts.gpu, gpu_gib=gib, world=world,
-                mode="online" if t.online else "stored")
+                mode="online" if t.online else "streamed" if t.streamed else "stored")
     plan.memory = plan_memory(recipe, target, s, world)
     flops = step_flops(s, target, t.online)
     plan.step = {**{f"{k}_tflop": v / 1e12 for k, v in flops.items()}, "assumed_tflops": tflops * MFU,
                  "seconds": sum(flops.values()) / (tflops * MFU * 1e12),
                  "block_tokens": s.batch * s.queries}
     plan.step["block_tokens_per_s"] = plan.step["block_tokens"] / plan.step["seconds"]
-    plan.data = data_volume(recipe, target, s, opts)
+    plan.data = data_volume(recipe, target, s, opts) | stream_sizing(plan, target, s, tflops)
     plan.notes = [f"target shape from {target.source}: {target.params / 1e9:.2f}B parameters",
                   f"drafter: {s.drafter_params / 1e6:.0f}M parameters, {s.layers} layers, B={s.block}, "
                   f"{s.attention} attention, {'bf16' if s.act_bytes == 2 else 'fp32'} activations",
@@ -280,8 +280,22 @@ def make_plan(recipe, opts: PlanOptions = PlanOptions(), target: TargetShape | N
                   f"{plan.data['tokens_per_sample']:,} tokens"]
     plan.recommend, why = recommend(plan, recipe, target, s, opts)
     plan.notes.append(why)
+    if "streamed" in (plan.mode, plan.recommend):
+        plan.notes.append(f"streamed: {plan.data['stream_actors']} target actors (a GPU each, "
+                          f"{plan.data['stream_actor_tokens_per_s']:,.0f} tokens/s) feed {world} trainers "
+                          f"({plan.data['stream_tokens_per_s']:,.0f} tokens/s): train.stream.actors")
     plan.warnings = warnings(plan, recipe, opts)
     return plan
+
+
+def stream_sizing(plan: Plan, target: TargetShape, s: StepShape, tflops: float) -> dict[str, float]:
+    """Streamed features: the target tokens per second the trainers consume at the planned
+    step time, what one target actor on a GPU of the same kind produces (a forward pass at
+    the same MFU), and the actors that keep the trainers fed."""
+    need = plan.world * s.batch * s.seq / plan.step["seconds"]
+    per_actor = tflops * MFU * 1e12 / (2 * target.params)
+    return {"stream_tokens_per_s": need, "stream_actor_tokens_per_s": per_actor,
+            "stream_actors": math.ceil(need / per_actor)}
 
 
 def recommend(plan: Plan, recipe, target: TargetShape, s: StepShape, opts: PlanOptions) -> tuple[str, str]:
@@ -307,6 +321,11 @@ def warnings(plan: Plan, recipe, opts: PlanOptions) -> list[str]:
         out.append(f"does not fit: {plan.total_gib:.1f} GiB per GPU > {plan.gpu_gib} GiB ({opts.gpu})")
     elif plan.total_gib > 0.9 * plan.gpu_gib:
         out.append(f"tight: {plan.total_gib:.1f} GiB of {plan.gpu_gib} GiB leaves < 10% for fragmentation")
+    if t.streamed and t.stream.actors < plan.data["stream_actors"]:
+        n = t.stream.actors
+        out.append(f"train.stream.actors: {n} target actor{'s produce' if n != 1 else ' produces'} "
+                   f"~{n * plan.data['stream_actor_tokens_per_s']:,.0f} tokens/s, the {plan.world} trainers consume "
+                   f"{plan.data['stream_tokens_per_s']:,.0f}: they will wait; set it to {plan.data['stream_actors']}")
     if t.use_gpu and t.cpus_per_worker > opts.cpus_per_gpu - 2:
         out.append(f"train.cpus_per_worker {t.cpus_per_worker:g} leaves < 2 of a node's {opts.cpus_per_gpu:g} CPUs per "
                    f"GPU to Ray Data's feature reads, which then run elsewhere and cross the network; "

@@ -44,6 +44,21 @@ class DrafterSection:
     # layer_types: per layer "full_attention" / "sliding_attention" (null: all sliding when a window is set)
     sliding_window: int | None = option(None, check=POSITIVE)
     layer_types: list[str] | None = None
+    # arch dflash2: grouped dynamic convolutions + a top-K candidate selector (specdec/dflash2.py);
+    # dflash2: its dflash_config keys over the defaults (specdec.checkpoint_format.DFLASH2_DEFAULTS)
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    dflash2: dict = option(factory=dict)
+
+
+@dataclass
+class StreamSection:
+    """``train.stream``: the target actors of ``train.streamed`` (Ray Data), sized apart
+    from the trainers."""
+
+    actors: int = option(1, check=POSITIVE)  # target actors, each with the whole target
+    num_cpus: float = option(1.0, check=POSITIVE)  # per actor (on a CPU, also its torch threads)
+    num_gpus: float = option(0.0, check=NON_NEGATIVE)  # per actor; 0: the target runs on the CPU
+    batch_size: int = option(8, check=POSITIVE)  # sequences per target forward pass
 
 
 @dataclass
@@ -56,7 +71,11 @@ class TrainSection:
     # training set (e.g. a second run over new prompts, features.prompts.skip); null: features.output
     features: Any = None
     online: bool = False  # compute features on the workers (the target runs there) instead of reading them
-    sequences: str | None = None  # online only: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
+    # compute them on target actors of their own (train.stream) that stream rows into the workers,
+    # nothing stored (pipelines/train/streamed.py); excludes online
+    streamed: bool = False
+    stream: StreamSection = option(factory=StreamSection)
+    sequences: str | None = None  # online/streamed: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
     # a LongAlign JSONL ({"messages": [...]} per line): tokenized with the target's chat template
     # (pipelines.longalign), written once to <storage_path>/<run_name>/longalign.parquet and trained
     # on as online sequences (implies online: true; excludes sequences and features)
@@ -88,6 +107,7 @@ class TrainSection:
     # alpha > 0: CE against the target's own law (top-K log-probs stored with the features,
     # features.storage.teacher_topk, or computed online) mixed in as (1 - alpha) * hard + alpha * soft
     distill: float = option(0.0, check=FRACTION)
+    selector_alpha: float = option(1.0, check=NON_NEGATIVE)  # dflash2: weight of the selector's CE in the loss
     lr: float = option(6e-4, check=POSITIVE)
     min_lr_ratio: float = option(0.0, check=FRACTION)  # cosine ends at lr * min_lr_ratio
     warmup: float = option(0.04, check=FRACTION)  # share of the schedule spent warming up linearly
@@ -117,15 +137,20 @@ class TrainSection:
     def __post_init__(self):
         self.num_workers = _workers(self.num_workers)
         self.features = _feature_runs(self.features)
+        if isinstance(self.stream, dict):  # the workers rebuild the section from its dict
+            self.stream = StreamSection(**self.stream)
+        if self.streamed and self.online:
+            raise ConfigError("train.streamed: cannot be combined with train.online (online runs the target on "
+                              "the trainers, streamed on actors of its own, train.stream); pick one")
         if self.longalign is not None:
             for other in ("sequences", "features"):
                 if getattr(self, other) is not None:
                     raise ConfigError(f"train.longalign: cannot be combined with train.{other} (the LongAlign file "
                                       "is the training data); drop one of them")
-            self.online = True  # LongAlign rows are token sequences: the workers compute their features
-        if self.sequences is not None and not self.online:
-            raise ConfigError("train.sequences: token sequences need train.online: true (stored features carry "
-                              "their own sequences)")
+            self.online = not self.streamed  # LongAlign rows are token sequences: the target computes their features
+        if self.sequences is not None and not self.from_target:
+            raise ConfigError("train.sequences: token sequences need train.online: true or train.streamed: true "
+                              "(stored features carry their own sequences)")
         if self.feature_cache is not None and not self.online:
             raise ConfigError("train.feature_cache: caches online features; it needs train.online: true "
                               "(stored features are read from their run)")
@@ -133,6 +158,11 @@ class TrainSection:
             raise ConfigError(f"train.feature_cache: a local directory on each node, got {self.feature_cache!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_name):
             raise ConfigError(f"train.run_name: expected letters, digits, '.', '_' or '-', got {self.run_name!r}")
+
+    @property
+    def from_target(self) -> bool:
+        """The features come from the target while training (online or streamed), not from storage."""
+        return self.online or self.streamed
 
     @property
     def min_workers(self) -> int:
@@ -220,10 +250,20 @@ class TrainRecipe:
         where things are written or logged."""
         d = self.as_dict()
         skip = {"run_name", "storage_path", "storage_options", "export", "log_every", "max_failures",
-                "num_workers", "cpus_per_worker", "threads_per_worker"}
+                "num_workers", "cpus_per_worker", "threads_per_worker", "stream"}
         content = {"target": d["features"]["target"], "features_uri": self.features_uri, "drafter": d["drafter"],
                    "train": {k: v for k, v in d["train"].items() if k not in skip}}
+        # settings added after recipes were hashed count only when set, so a recipe that does
+        # not use them keeps the hash its registered drafters carry
+        for section, key, default in LATER_SETTINGS:
+            if content[section].get(key) == default:
+                content[section].pop(key)
         return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: (section, key, default) of settings added after recipes were first hashed
+LATER_SETTINGS = (("drafter", "arch", "dflash"), ("drafter", "dflash2", {}), ("train", "streamed", False),
+                  ("train", "selector_alpha", 1.0))
 
 
 def parse_recipe(data: dict, source: str = "") -> TrainRecipe:

@@ -20,6 +20,7 @@ from pipelines.train.config import TrainRecipe
 from pipelines.train.data import manifest_sha256, read_sequences, split_holdout
 from pipelines.train.longalign_rows import longalign_rows
 from pipelines.train.runner import TrainState, latest_checkpoint_state
+from pipelines.train.streamed import stream_datasets, stream_layout
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,17 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
     manifests = _load_manifests(recipe, options, sequences)
     manifest_uri, manifest = next(iter(manifests.items()), (None, None))
     layer_ids = _layer_ids(recipe, target, manifest, manifest_uri)
-    layout = _feature_layout(recipe, manifests)
+    layout = (stream_layout(recipe, layer_ids, target.hidden_size) if tc.streamed
+              else _feature_layout(recipe, manifests))
 
     cfg, resume, resume_cfg = _drafter_config(recipe, target, layer_ids, run_uri)
     drafter, parent = _initial_drafter(recipe, cfg, target, tracking_uri)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
     datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifests, options, sequences)
     _choose_draft_vocab(recipe, drafter, target, manifests, options, datasets["train"])
+    if tc.streamed:  # from token rows to rows with features, computed by target actors of their own
+        datasets = stream_datasets(recipe, datasets, dataclasses.asdict(spec) | {"identity": target.identity},
+                                   layer_ids, target.hidden_size)
 
     lineage = {
         "target_model": spec.model, "target_identity": target.identity, "tokenizer_hash": tok_hash,
@@ -80,7 +85,8 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
         "features_manifest_sha256": _manifests_sha256(list(manifests), options) if manifests else None,
         "config_sha256": recipe.config_hash(), "git_commit": registry.git_commit(), "run_name": tc.run_name,
         "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
-        "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online, **parent,
+        "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online,
+        **({"streamed_features": True} if tc.streamed else {}), **parent,
         **{k: v for k, v in longalign.items() if k != "uri"}, **recipe.version_tags,
     }
     run_id = _start_mlflow_run(recipe, tracking_uri, lineage, run_uri, resume_cfg)
@@ -101,7 +107,7 @@ def _load_manifests(recipe: TrainRecipe, options: dict, sequences: str | None) -
 
     tc = recipe.train
     manifests = {}
-    if tc.online and sequences:
+    if tc.from_target and sequences:
         return manifests
     for uri in map(storage.absolute_uri, recipe.feature_uris):
         try:
@@ -124,10 +130,10 @@ def _feature_layout(recipe: TrainRecipe, manifests: dict):
             raise ConfigError(f"train.features: the feature run {uri} stores {FeatureLayout.from_manifest(m)}, "
                               f"but {manifest_uri} stores {layout}; runs trained on together need the same "
                               "layers and storage layout")
-        if tc.distill and not tc.online and not m.get("teacher_topk"):
+        if tc.distill and not tc.from_target and not m.get("teacher_topk"):
             raise ConfigError(f"train.distill: {tc.distill} needs the target's log-probs, which the feature run "
                               f"{uri} does not store; make it with features.storage.teacher_topk > 0 "
-                              "(or train with train.online: true)")
+                              "(or train with train.online or train.streamed: true)")
     return layout
 
 
@@ -150,6 +156,11 @@ def _drafter_config(recipe: TrainRecipe, target, layer_ids: list[int], run_uri: 
                                         target_layer_ids=layer_ids, mask_token_id=dc.mask_token_id,
                                         intermediate_size=dc.intermediate_size, sliding_window=dc.sliding_window,
                                         layer_types=dc.layer_types)
+        if dc.arch == "dflash2":
+            cfg.dflash2 = dict(dc.dflash2)
+            cfg = type(cfg)(**cfg.as_dict())  # validated (errors name the key)
+        elif dc.dflash2:
+            raise ValueError("dflash2: set only with drafter.arch: dflash2")
     except ValueError as e:  # the window rules (>= block size, <= context, one kind per layer)
         raise ConfigError(f"drafter.{e}") from None
     resume, resume_cfg = latest_checkpoint_state(run_uri, tc.storage_options)
@@ -160,11 +171,12 @@ def _drafter_config(recipe: TrainRecipe, target, layer_ids: list[int], run_uri: 
 
 def _initial_drafter(recipe: TrainRecipe, cfg, target, tracking_uri: str):
     """(the drafter with its starting weights, the lineage of the drafter it fine-tunes)."""
-    from specdec.drafter import DFlashDrafter, init_from_target
+    from specdec.dflash2 import build_drafter
+    from specdec.drafter import init_from_target
 
     dc = recipe.drafter
     torch.manual_seed(recipe.train.seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     parent = {}  # lineage of the drafter this run fine-tunes
     if dc.init_from:
         parent = _init_from_drafter(drafter, dc.init_from, target, tracking_uri)
@@ -242,11 +254,18 @@ def _init_from_drafter(drafter, path: str, target, tracking_uri: str) -> dict:
     except (FileNotFoundError, DrafterMismatchError) as e:
         raise ConfigError(f"drafter.init_from: {e}") from None
     mine, theirs = drafter.config, source.config
-    for name in ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id"):
+    if theirs.dflash2 is not None and mine.dflash2 is None:
+        raise ConfigError(f"drafter.init_from: {path} is a DFlash2 drafter; set drafter.arch: dflash2")
+    shape = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size", "mask_token_id")
+    for name in shape + (("dflash2",) if theirs.dflash2 is not None else ()):
         if getattr(mine, name) != getattr(theirs, name):
             raise ConfigError(f"drafter.init_from: {path} has {name}={getattr(theirs, name)!r} but the recipe "
                               f"builds {getattr(mine, name)!r}")
-    drafter.load_state_dict(source.state_dict())
+    # a DFlash parent of a DFlash2 drafter: its parts load, the new ones stay neutral
+    missing, _ = drafter.load_state_dict(source.state_dict(), strict=type(source) is type(drafter))
+    if any(".attention_conv." not in k and ".mlp_conv." not in k and not k.startswith("candidate_selector.")
+           for k in missing):
+        raise ConfigError(f"drafter.init_from: {path} lacks tensors {sorted(missing)}")
     log.info("drafter initialised from %s%s", path, f" (v{parent['parent_version']})" if "parent_version" in parent
              else "")
     # the parent's draft vocabulary, built on its (larger) data: a fine-tuning set of a few
@@ -289,7 +308,7 @@ def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri:
     from specdec.target import default_target_layer_ids
 
     dc = recipe.drafter
-    if recipe.train.online:
+    if recipe.train.from_target:
         layer_ids = list(dc.layer_ids or default_target_layer_ids(target.num_layers, dc.num_features))
     else:
         layer_ids = list(dc.layer_ids or manifest["layer_ids"])
@@ -306,29 +325,38 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict,
     """({"train": streamed rows, "holdout": materialised rows}, training rows estimate).
     Feature runs are checked against the target (identity, tokenizer; layers and width
     unless the features are computed online); several runs are read as one."""
-    from pipelines.features import read_features
+    from pipelines.features import has_holdout_shards, read_features
 
     tc = recipe.train
     expect = {"target_identity": target.identity, "tokenizer_hash": tok_hash}
-    if not tc.online:
+    if not tc.from_target:
         expect.update(layer_ids=list(layer_ids), hidden_size=target.hidden_size)
 
-    def feature_run(uri):
-        ds = read_features(storage.absolute_uri(uri), storage_options=options, **expect)
-        return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.online else ds
+    # runs that wrote held-out shards (features.storage.holdout_fraction) never train on them
+    held = [uri for uri, m in manifests.items() if has_holdout_shards(m)]
+
+    def feature_run(uri, split=None):
+        if split is None and uri in held:
+            split = "train"
+        ds = read_features(storage.absolute_uri(uri), storage_options=options, split=split, **expect)
+        return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.from_target else ds
 
     def source(uri, field_name):
-        if tc.online and sequences:
+        if tc.from_target and sequences:
             return read_sequences(uri, tc.storage_options or options, field_name)
         return feature_run(uri)
 
-    if tc.online and sequences:
+    if tc.from_target and sequences:
         train_ds = source(sequences, "train.longalign" if tc.longalign else "train.sequences")
     else:
         first, *rest = [feature_run(uri) for uri in manifests]
         train_ds = first.union(*rest) if rest else first
     if tc.holdout:
         holdout_ds = source(tc.holdout, "train.holdout")
+    elif held and not (tc.from_target and sequences):
+        log.info("evaluating on the held-out shards of %s (train.holdout_fraction is not used)", ", ".join(held))
+        first, *rest = [feature_run(uri, "holdout") for uri in held]
+        holdout_ds = first.union(*rest) if rest else first
     elif tc.holdout_fraction > 0:
         holdout_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=True)
         train_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=False)
@@ -342,9 +370,10 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict,
     if holdout_ds.count() == 0:
         raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
                           "train.holdout")
-    if manifests and not (tc.online and sequences):
+    if manifests and not (tc.from_target and sequences):
         samples = sum(m["num_samples"] for m in manifests.values())
-        train_rows = int(samples * (1 if tc.holdout else 1 - tc.holdout_fraction))
+        held_rows = sum(m.get("holdout", {}).get("num_samples", 0) for m in manifests.values())
+        train_rows = int(samples - held_rows if held else samples * (1 if tc.holdout else 1 - tc.holdout_fraction))
     else:
         train_rows = train_ds.count()
     return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows)
@@ -354,11 +383,13 @@ def _check_same_drafter(saved: dict, cfg, run_name: str, run_uri: str) -> None:
     """A resumed run must train the same drafter shape; name the first field that differs."""
     now = cfg.to_hf_dict()
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "block_size", "sliding_window", "layer_types"):
+                "num_key_value_heads", "head_dim", "vocab_size", "block_size", "sliding_window", "layer_types",
+                "architectures"):
         if saved.get(key, now.get(key) if key == "layer_types" else None) != now.get(key):
             field_name = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter.block_size",
                           "intermediate_size": "drafter.intermediate_size", "sliding_window": "drafter.sliding_window",
-                          "layer_types": "drafter.layer_types"}.get(key, f"drafter ({key})")
+                          "layer_types": "drafter.layer_types",
+                          "architectures": "drafter.arch"}.get(key, f"drafter ({key})")
             raise ConfigError(f"{field_name}: run '{run_name}' at {run_uri} was trained with {key}={saved.get(key)}, "
                               f"the recipe now gives {now.get(key)}; use another train.run_name to start afresh")
     for key in ("target_layer_ids", "mask_token_id"):

@@ -114,11 +114,13 @@ def _build_runner(config: dict, tc: TrainSection, device: torch.device, bf16: bo
     import ray
 
     from specdec.checkpoint_format import DrafterConfig
-    from specdec.drafter import DFlashDrafter
+    from specdec.dflash2 import build_drafter, is_dflash2
 
     use_flex = tc.attention == "flex" or (tc.attention == "auto" and device.type == "cuda")
     target = _load_worker_target(config["target"], tc.online, device, torch.bfloat16 if bf16 else torch.float32)
-    drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
+    drafter = build_drafter(DrafterConfig(**config["drafter"]))
+    if is_dflash2(drafter):
+        drafter.selector_alpha = tc.selector_alpha
     drafter.load_state_dict(ray.get(config["init_state"]))  # identical start on every worker
     if config.get("draft_vocab") is not None:
         drafter.set_draft_vocab(torch.tensor(config["draft_vocab"]))

