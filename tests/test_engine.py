@@ -133,6 +133,25 @@ def _target_joint_law(t, prompt, temp_params):
     return p1[:, None] * p2  # [x1, x2]
 
 
+def joint_law_pvalue(t, prompt, params, results) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """(chi-square p-value, counts, law) of the emitted (x1, x2) pairs against the target's
+    exact joint law (rare cells pooled into one bucket); asserts no pair the law excludes
+    came out."""
+    N = len(results)
+    counts = torch.zeros(t.vocab_size, t.vocab_size)
+    for r in results:
+        counts[r.tokens[0], r.tokens[1]] += 1
+    law = _target_joint_law(t, prompt, params).double()
+    assert counts[law == 0].sum() == 0, "emitted a token the target law excludes (top-k/top-p)"
+    keep = law * N >= 5
+    small = (~keep) & (law > 0)
+    obs, exp = counts[keep].double(), law[keep] * N
+    if small.any():  # pool the rare cells into one bucket
+        obs = torch.cat([obs, counts[small].sum()[None].double()])
+        exp = torch.cat([exp, (law[small].sum() * N)[None]])
+    return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue, counts, law
+
+
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(temperature=1.0), None), (SamplingParams(temperature=0.7, top_k=6), None),
     (SamplingParams(temperature=1.3, top_p=0.8), None),
@@ -150,19 +169,7 @@ def test_sampling_follows_target_law_through_engine(tiny, params, draft_vocab):
     eng = Engine(t, DFlashProposer(drafter, t), width=4, seed=1234)
     # 3 tokens so that the cycle producing x2 drafts (block = min(4, tokens still needed))
     res = eng.generate([Request(prompt, 3, params=params, stop_ids=NO_STOP) for _ in range(N)])
-    counts = torch.zeros(t.vocab_size, t.vocab_size)
-    for r in res:
-        counts[r.tokens[0], r.tokens[1]] += 1
-    law = _target_joint_law(t, prompt, params).double()
-    assert counts[law == 0].sum() == 0, "emitted a token the target law excludes (top-k/top-p)"
-    keep = law * N >= 5
-    small = (~keep) & (law > 0)
-    obs, exp = counts[keep].double(), law[keep] * N
-    if small.any():  # pool the rare cells into one bucket
-        obs = torch.cat([obs, counts[small].sum()[None].double()])
-        exp = torch.cat([exp, (law[small].sum() * N)[None]])
-    exp = exp * obs.sum() / exp.sum()
-    pvalue = chisquare(obs.numpy(), exp.numpy()).pvalue
+    pvalue, counts, law = joint_law_pvalue(t, prompt, params, res)
     assert pvalue > 1e-3, pvalue
     # x2 went through draft + accept/residual in most rows
     assert sum(a for r in res for a in r.stats.accepted) > 0, "some drafts should be accepted"
