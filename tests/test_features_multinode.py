@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pipelines import storage
-from node_helpers import node_env
+from node_helpers import node_env, two_node_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -28,21 +28,13 @@ PROMPTS = 12
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
     from s3_helpers import loopback_s3
 
     root = tmp_path_factory.mktemp("features-multinode")
     with loopback_s3("features") as options:
         # one CPU a node: the generating actor and the extracting actor land on different nodes
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": node_env(root, "head")})
-        node = c.add_node(num_cpus=1, env_vars=node_env(root, "node-b"))
-        ray.init(address=c.address, log_to_driver=False, logging_level="warning")
-        try:
+        with two_node_cluster(root, 1) as (c, node):
             yield {"cluster": c, "node": node, "root": root, "s3": options}
-        finally:
-            ray.shutdown()
-            c.shutdown()
 
 
 def _recipe(root: Path, s3: dict) -> Path:

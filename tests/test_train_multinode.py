@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from node_helpers import node_env
+from node_helpers import node_env, two_node_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -23,22 +23,14 @@ STEPS, EVERY = 24, 4
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
     from s3_helpers import loopback_s3
 
     root = tmp_path_factory.mktemp("multinode")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     with loopback_s3("dflash") as options:
         # 3 logical CPUs a node: one training worker (2) fits per node, 1 is left for Ray Data's reads
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "env_vars": node_env(root, "head")})
-        node = c.add_node(num_cpus=3, env_vars=node_env(root, "node-b"))
-        ray.init(address=c.address, log_to_driver=False, logging_level="warning")
-        try:
+        with two_node_cluster(root, 3) as (c, node):
             yield {"cluster": c, "node": node, "root": root, "s3": options}
-        finally:
-            ray.shutdown()
-            c.shutdown()
 
 
 def _recipe(root: Path, target_dir: Path, s3: dict) -> Path:
