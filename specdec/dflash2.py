@@ -223,15 +223,6 @@ def selector_head_loss(drafter: DFlash2Drafter, logits_fn: Callable[[torch.Tenso
     return torch.cat([c for c, _ in out]), torch.cat([k for _, k in out])
 
 
-def refuse_on_vllm_cpu(cfg: DrafterConfig, path: str, gpu: bool) -> None:
-    """vLLM runs DFlash2's candidate selector only in its V2 GPU model runner (vllm-cpu runs
-    the V1 runner, which refuses such drafts or would draft as DFlash): refuse, saying why."""
-    if cfg.dflash2 is not None and not gpu:
-        raise ValueError(f"{path}: a DFlash2 drafter (DFlash2DraftModel) cannot run on vllm-cpu: vLLM's DFlash2 "
-                         "candidate selector runs only in its V2 GPU model runner (CUDA + Triton); serve it with "
-                         "backend=hf on CPU, or backend=vllm on a GPU")
-
-
 def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
     """The drafter a config describes: DFlash2 when it carries DFlash2 settings, else DFlash."""
     return DFlash2Drafter(cfg) if cfg.dflash2 is not None else DFlashDrafter(cfg)
