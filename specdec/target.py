@@ -8,6 +8,7 @@ batch whose rows hold different numbers of committed tokens runs in one forward 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec import assets
 from specdec.assets import EMBEDDED_NAMES, target_slug  # noqa: F401 - re-exported
@@ -88,6 +90,17 @@ def fingerprint_of_samples(samples: dict[str, tuple[tuple, torch.Tensor]], confi
         h.update(f"{name}:{shape}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
+
+
+#: attention kernels the target may use on a GPU: not cuDNN's, which plans a graph per new key
+#: length -- every decoding step is one -- at ~1.2 ms of CPU per layer call (jobs/gpu_check.py
+#: on an H200, 36 layers: 78 ms of a step's CPU time, see docs/cluster.md)
+GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_kernels(device: torch.device):
+    """The context selecting :data:`GPU_SDPA_BACKENDS` on CUDA; nothing changes elsewhere."""
+    return sdpa_kernel(GPU_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -200,13 +213,9 @@ class Target(nn.Module):
         """
         self._capture = dict.fromkeys(layer_ids) if layer_ids else None
         try:
-            out = self.base(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=attn_mask,
-                use_cache=cache is not None,
-                **{self._cache_kw: cache},
-            )
+            with attention_kernels(input_ids.device):
+                out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attn_mask,
+                                use_cache=cache is not None, **{self._cache_kw: cache})
             feats = torch.cat([self._capture[i] for i in layer_ids], dim=-1) if layer_ids else None
         finally:
             self._capture = None

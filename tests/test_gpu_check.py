@@ -72,11 +72,31 @@ def test_tiny_tier1_passes_on_cpu_and_tier2_skips(tiny_report: tuple) -> None:
 def test_tiny_exactness_is_exact_in_float32(tiny_report: tuple) -> None:
     m = {c["name"]: c for c in tiny_report[1]["checks"]}["bf16_exactness"]["metrics"]
     assert m["identical"] == 1.0 and m["target_layers"] == 8 and m["skipped_for_time"] == []
-    assert set(m["modes"]) == {"dflash", "oracle", "ar_batch1"}
+    assert set(m["modes"]) == {"dflash", "oracle", "ar_batch1", "dflash2"}
     for mode in m["modes"].values():
         assert mode["identical"] == 1.0 and mode["divergences"] == [] and mode["explained"] is True
     assert m["modes"]["oracle"]["tau"] > 4  # the oracle's whole blocks were accepted
     assert m["gap_median"] > 0 and m["near_tie_steps"] == 0.0
+    assert m["noise"]["bound"] < 1e-3 and m["within_noise_steps"] == 0.0  # float32: the shapes agree
+
+
+def test_chunked_logits_equal_one_forward_in_float32() -> None:
+    """The shape-noise probe feeds the cache as the engine does: in float32, decoding one
+    token at a time and verifying B at a time give the whole forward's logits (a wrong
+    position, mask or cache slot would not)."""
+    import torch
+
+    from harness.gpu_tier1 import build_target, chunked_logits, random_prompts, shapes_for
+
+    s = shapes_for({"tiny": True})
+    target = build_target(s, torch.device("cpu"), torch.float32)
+    prompt, toks = random_prompts(s, 2, seed=5)
+    ids = torch.tensor([prompt + toks[:-1]])
+    whole = target.logits(target(ids, torch.arange(ids.shape[1])[None]).hidden[0, len(prompt) - 1:])
+    for chunk in (1, 5, 16):
+        got = chunked_logits(target, prompt, toks, chunk)
+        assert got.shape == whole.shape == (len(toks), s.vocab)
+        torch.testing.assert_close(got, whole.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_tiny_train_step_measures_both_layouts(tiny_report: tuple) -> None:
@@ -95,6 +115,7 @@ def test_tiny_cycle_cost_reports_ratios_and_the_ceiling(tiny_report: tuple) -> N
     assert [b["batch"] for b in m["batches"]] == [1, 8]
     for b in m["batches"]:
         assert all(b[k] > 0 for k in ("ar_step_ms", "verify_ms", "draft_ms", "cycle_ms", "r_d", "r_v"))
+        assert b["draft2_ms"] > 0 and b["dflash2_draft_ratio"] > 0
         assert b["oracle_tau"] == 16 and b["oracle_speedup"] == pytest.approx(16 / (b["r_d"] + b["r_v"]), rel=0.01)
 
 
