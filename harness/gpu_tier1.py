@@ -29,7 +29,8 @@ asserts they equal the recipe's). ``--tiny`` swaps both for :data:`TINY` (the CP
 What "exact" means in bf16. Verifying B tokens and decoding 1 run different GEMM shapes
 (other kernels, other reduction orders), so where two logits are within rounding of each
 other the argmax may flip -- as it does between two batch sizes of plain AR decoding. A
-divergence is *explained* when the AR gap at the first divergent token is at most
+divergence is *explained* when the AR gap at the first divergent token is within the
+rounding noise measured between the engine's shapes (:func:`path_noise`) or at most
 :data:`TIE_ULPS` bf16 ulps of the top-1 logit; the check FAILs on any unexplained
 divergence (a real bug: a wrong cache slot, mask or position moves logits by far more), and
 reports the identical share against the >= 95% goal beside the control's.
