@@ -186,7 +186,8 @@ def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
 
     from pipelines.config import load_features_config
     from pipelines.features.pipeline import generation_actors, plan_shards
-    from pipelines.features.workers import Regenerate, regenerate_vllm
+    from pipelines.features.vllm_regen import regeneration_stage
+    from pipelines.features.workers import Regenerate
     from specdec.target import resolve_target_path
 
     cfg = load_features_config(config, [f"features.prompts.limit={num_prompts}",
@@ -195,7 +196,7 @@ def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
     per_shard = min(cfg.storage.samples_per_shard, math.ceil(num_prompts / hf_actors))
     shards, _ = plan_shards(dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage,
                                                                                  samples_per_shard=per_shard)))
-    rows, order = [s.as_row() for s in shards], {s.shard_id: list(s.ids) for s in shards}
+    rows = [s.as_row() for s in shards]
     if not ray.is_initialized():  # a cluster of our own unless the job runs on one
         ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, logging_level="warning")
     target, gen = dataclasses.asdict(cfg.target), dataclasses.asdict(cfg.generation)
@@ -212,11 +213,12 @@ def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
         ).take_all()
 
     def vllm(bind: str) -> list[dict]:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # reaches the engine through the runtime_env
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # reaches the engine actor through its constructor
         try:
-            return regenerate_vllm(ray.data.from_items(rows, override_num_blocks=len(rows)),
-                                   resolve_target_path(cfg.target.model), vgen, target, cfg.prompts.max_prompt_tokens,
-                                   cfg.prompts.max_prompt_tokens + max_new_tokens, order).take_all()
+            return regeneration_stage(ray.data.from_items(rows, override_num_blocks=len(rows)),
+                                      resolve_target_path(cfg.target.model), target, vgen,
+                                      cfg.prompts.max_prompt_tokens,
+                                      cfg.prompts.max_prompt_tokens + max_new_tokens).take_all()
         finally:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -58,6 +58,8 @@ def parse_section(cls: type, data: Any, path: str):
         raise ConfigError(f"{path}: expected a mapping, got {_show(data)}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
+        if key in getattr(cls, "REMOVED", {}):
+            raise ConfigError(f"{path}.{key}: {cls.REMOVED[key]}")
         if key not in known:
             raise ConfigError(f"{path}.{key}: unknown key (known keys: {', '.join(known)})")
     hints = typing.get_type_hints(cls)
@@ -193,7 +195,9 @@ class PromptsSection:
 class VLLMSection:
     engine_kwargs: dict = option(factory=dict)  # passed to vLLM (max_model_len, gpu_memory_utilization...)
     accelerator_type: str | None = None  # GPU type label (num_gpus > 0)
-    wave_shards: int = option(64, check=POSITIVE)  # shards per vLLM pass: bounds memory and lost work
+    REMOVED: ClassVar[dict[str, str]] = {
+        "wave_shards": "removed: vLLM regeneration streams every pending shard through long-lived engine actors "
+                       "in one pass (docs/training.md); delete the key"}
 
 
 @dataclass

@@ -120,7 +120,7 @@ def test_training_starts_after_the_manifest_held_out_shards_and_a_row_group_per_
         "registry": {"tracking_uri": f"sqlite:///{work}/mlflow.db"}}))
     reads.clear()
     plan = prepare(load_train_recipe(recipe_path))
-    assert plan.train_rows == PROMPTS - 5 and plan.datasets["holdout"].count() == 5
+    assert plan.train_rows == PROMPTS - 5 and plan.holdout.rows == 5 and set(plan.datasets) == {"train"}
     by_path = {s["path"]: s for s in m["shards"]}
     touched = {_rel(p) for p, _ in reads if _rel(p) in by_path}
     assert touched == {s["path"] for s in m["shards"] if s.get("split") == "holdout"}  # no training shard yet
@@ -139,6 +139,21 @@ def test_training_starts_after_the_manifest_held_out_shards_and_a_row_group_per_
         assert n <= shard["footer"]["length"] + 3 * max(g["length"] for g in shard["row_groups"]) < shard["bytes"]
     # readers: one per CPU at most (2 here) however many shards the run has
     assert len(per_shard) <= 2
+
+    # each worker evaluates (and fetches) only its own held-out blocks; together, every row once
+    held = plan.holdout
+    for world in (1, 2, 3):
+        owned = [held.owned(rank, world) for rank in range(world)]
+        assert sorted(i for o in owned for i in o) == list(range(len(held.blocks)))
+        ids = [[i for b in held.batches(o, 2) for i in b.column("id").to_pylist()] for o in owned]
+        assert sorted(i for part in ids for i in part) == sorted(r["id"] for r in read_features(
+            uri, storage_options=options, split="holdout").take_all())
+        assert all(b.num_rows <= 2 for o in owned for b in held.batches(o, 2))
+    # train.eval_samples cuts the set mid-block: only the rows kept are evaluated
+    from pipelines.train.heldout import held_out_blocks
+
+    cut = held_out_blocks(read_features(uri, storage_options=options, split="holdout").limit(3).materialize())
+    assert cut.rows == 3 and sum(b.num_rows for b in cut.batches(list(range(len(cut.blocks))), 2)) == 3
 
 
 def test_a_corrupt_row_group_is_named_before_its_rows_are_used(s3_run, work):

@@ -184,85 +184,141 @@ def test_plan_is_deterministic_with_unique_ids(tmp_path):
     assert plan_shards(cfg) == (shards, digest)
 
 
+def test_streamed_plan_keeps_refs_and_writes_each_pending_shard_once(tmp_path):
+    """The driver's plan is refs (id, split, count, ids digest); the samples of pending shards
+    go to plan files, once; a stage row naming its plan file reads back the shard's samples."""
+    from pipelines.features.pipeline import ids_digest, plan_index, plan_shards, write_plan_files
+    from pipelines.features.workers import load_shard_row
+
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(20)))
+    cfg = parse_section(FeaturesConfig, {"output": "x", "prompts": {"source": str(src), "split": "all"},
+                                         "storage": {"samples_per_shard": 4, "holdout_fraction": 0.25}}, "features")
+    shards, digest = plan_shards(cfg)
+    refs, digest2 = plan_index(cfg)
+    assert digest2 == digest and [r.shard_id for r in refs] == [s.shard_id for s in shards]
+    assert [r.split for r in refs] == [s.split for s in shards] and refs[-1].shard_id.startswith("h")
+    assert [r.ids_sha256 for r in refs] == [ids_digest(s.ids) for s in shards]
+    assert sum(r.samples for r in refs) == 20
+    fs, root = storage.filesystem(str(tmp_path / "run"))
+    pending = {refs[0].shard_id, refs[-1].shard_id}
+    assert write_plan_files(cfg, fs, root, pending) == 2 and write_plan_files(cfg, fs, root, pending) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "plan").iterdir()) == sorted(f"{i}.json" for i in pending)
+    row = load_shard_row({"shard_id": refs[-1].shard_id, "plan_uri": str(tmp_path / "run" / "plan" /
+                                                                         f"{refs[-1].shard_id}.json")}, None)
+    assert row == shards[-1].as_row()
+
+
+def _plan_peak(src: str, limit: int, whole: bool) -> int:
+    """Peak bytes Python allocated while planning ``limit`` prompts of ``src`` (``whole``: the
+    list of shards with their samples, as the driver held it before plans were streamed)."""
+    import tracemalloc
+
+    from pipelines.features.pipeline import plan_index, plan_shards, write_plan_files
+
+    cfg = parse_section(FeaturesConfig, {"output": "x", "prompts": {"source": src, "split": "all", "limit": limit,
+                                                                    "max_prompt_chars": None},
+                                         "storage": {"samples_per_shard": 4}}, "features")
+    from specdec.prompts import load_prompts
+
+    load_prompts(src, split="all", max_prompt_chars=None)  # parse caches warm: they are not the plan
+    tracemalloc.start()
+    if whole:
+        plan = plan_shards(cfg)
+    else:
+        plan, _ = plan_index(cfg)
+        with tempfile_dir() as d:
+            fs, root = storage.filesystem(d)
+            write_plan_files(cfg, fs, root, {r.shard_id for r in plan})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del plan
+    return peak
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.TemporaryDirectory()
+
+
+def test_driver_plan_memory_does_not_grow_with_the_prompts(tmp_path):
+    """Planning 8x the prompts of one source: the streamed plan's peak grows by a fraction of the
+    prompts' added text (per prompt: its dedup key and id, ~300 bytes, not its 2 KB of text),
+    while holding every shard's samples (the old plan) grows by more than the text. The
+    source's own parse is the same for both sizes and not counted."""
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{i} " + "x" * 2000}) + "\n" for i in range(1600)))
+    added_text = 1400 * 2000
+    # 200 prompts are 50 shards: past the 32 shards of samples the plan writer holds in flight
+    streamed = [_plan_peak(str(src), n, whole=False) for n in (200, 1600)]
+    whole = [_plan_peak(str(src), n, whole=True) for n in (200, 1600)]
+    assert whole[1] - whole[0] > added_text  # the check can fail: the old plan grows with the text
+    assert streamed[1] - streamed[0] < 0.25 * added_text, (streamed, whole)
+
+
 # ---------------------------------------------------------------------------- vllm backend (config only)
-def test_vllm_processor_config_without_importing_vllm():
-    from pipelines.features.workers import assemble_shard, vllm_postprocess, vllm_processor_config, vllm_sampling_params
+def test_vllm_regeneration_stage_without_importing_vllm(monkeypatch):
+    """One Ray Data stage of long-lived engine actors: the actor pool, its resources and
+    constructor settings, the per-shard seed; CPU mode gets the VLLM_CPU_* variables with a
+    1 GiB KV cache by default; pools that cannot run together are refused in the driver."""
+    from importlib import metadata
+
+    import ray
+
+    from pipelines.features.vllm_regen import (RegenerateVLLM, check_room, check_vllm_cpu_build, regeneration_stage,
+                                               vllm_sampling_params)
 
     cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {
         "backend": "vllm", "num_gpus": 1, "batch_size": 64, "actors": 2, "temperature": 0.6, "top_k": 20,
-        "max_new_tokens": 100, "vllm": {"engine_kwargs": {"gpu_memory_utilization": 0.8}}}}, "features")
-    gen = cfg.content()["generation"] | {k: getattr(cfg.generation, k) for k in ("batch_size", "actors", "num_gpus",
-                                                                                "num_cpus")}
-    gen["vllm"] = {"engine_kwargs": cfg.generation.vllm.engine_kwargs, "accelerator_type": "H100"}
-    pc = vllm_processor_config("/models/qwen3-8b", gen, "bfloat16", max_model_len=2148)
-    assert pc.model_source == "/models/qwen3-8b" and pc.batch_size == 64 and pc.concurrency == 2
-    assert pc.accelerator_type == "H100"
-    assert pc.engine_kwargs["max_model_len"] == 2148 and pc.engine_kwargs["gpu_memory_utilization"] == 0.8
-    assert pc.engine_kwargs["dtype"] == "bfloat16" and "enforce_eager" not in pc.engine_kwargs
-    assert pc.placement_group_config is None and pc.runtime_env is None  # GPU: the stage's own GPU bundles
-    assert not pc.chat_template_stage and not pc.tokenize_stage and not pc.detokenize_stage
+        "max_new_tokens": 100, "vllm": {"engine_kwargs": {"gpu_memory_utilization": 0.8},
+                                        "accelerator_type": "H100"}}}, "features")
+    gen = dataclasses.asdict(cfg.generation)
+    calls = []
+
+    class FakeDataset:
+        def map_batches(self, fn, **kw):
+            calls.append((fn, kw))
+            return self
+
+    regeneration_stage(FakeDataset(), "/models/qwen3-8b", {"dtype": "bfloat16", "trust_remote_code": False}, gen,
+                       2048, 2148)
+    (fn, kw), = calls
+    assert fn is RegenerateVLLM and kw["batch_size"] == 1 and kw["num_gpus"] == 1 and kw["num_cpus"] == 1.0
+    assert kw["accelerator_type"] == "H100" and kw["compute"].max_size == 2  # one engine per actor, for the run
+    ctor = kw["fn_constructor_kwargs"]
+    assert ctor["max_model_len"] == 2148 and ctor["generation"]["vllm"]["engine_kwargs"] == {
+        "gpu_memory_utilization": 0.8} and ctor["env"] == {}  # GPU: no CPU settings
     sp = vllm_sampling_params(gen, "00007")
-    assert sp["max_tokens"] == 100 and sp["top_k"] == 20 and sp["temperature"] == 0.6
+    assert sp["max_tokens"] == 100 and sp["top_k"] == 20 and sp["temperature"] == 0.6 and sp["detokenize"] is False
     assert sp == vllm_sampling_params(gen, "00007") != vllm_sampling_params(gen, "00008")
 
-    out = [vllm_postprocess({"shard_id": "00007", "id": "b", "prompt_token_ids": [5, 6],
-                             "generated_tokens": [7] * 100}, 100),
-           {"shard_id": "00007", "id": "c", "tokenized_prompt": [], "generated_tokens": [],
-            "skip_reason": "prompt_too_long", "finish_reason": None},
-           vllm_postprocess({"shard_id": "00007", "id": "a", "tokenized_prompt": [1], "generated_tokens": [2, 3]}, 100)]
-    import pyarrow as pa
-
-    shard = assemble_shard(pa.Table.from_pylist(out), order={"00007": ["a", "b", "c"]}).to_pylist()[0]
-    assert shard["ids"] == ["a", "b"] and shard["input_ids"][0] == [1, 2, 3]
-    assert shard["prompt_tokens"] == [1, 2] and shard["finish_reason"] == ["stop", "length"]
-    assert shard["skipped_ids"] == ["c"] and shard["gen_tokens"] == 102
-    assert "vllm" not in sys.modules
-
-
-def test_vllm_on_cpu_reserves_cpus_not_gpus(monkeypatch):
-    """num_gpus 0 is CPU mode: a CPU bundle (the stage's default bundle takes a GPU), eager
-    mode, and the VLLM_CPU_* variables with a 1 GiB KV cache by default; settings that
-    cannot run are refused in the driver."""
-    from importlib import metadata
-
-    import pyarrow as pa
-    import ray
-    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStage
-
-    from pipelines.features.workers import (assemble_shard, check_cpu_room, check_vllm_cpu_build, vllm_postprocess,
-                                           vllm_processor_config)
-
-    cfg = parse_section(FeaturesConfig, {"output": "x", "generation": {"backend": "vllm", "num_cpus": 2}}, "features")
-    gen = dataclasses.asdict(cfg.generation)
+    cpu = dataclasses.asdict(parse_section(FeaturesConfig, {"output": "x", "generation": {
+        "backend": "vllm", "num_cpus": 2}}, "features").generation)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    pc = vllm_processor_config("/models/smollm2", gen, "float32", max_model_len=1280)
-    assert pc.engine_kwargs["enforce_eager"] and pc.engine_kwargs["dtype"] == "float32"
-    assert pc.runtime_env == {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
-    # what Ray Data's engine stage makes of it: 2 CPUs per engine actor and no GPU
-    stage = vLLMEngineStage(fn_constructor_kwargs={"engine_kwargs": dict(pc.engine_kwargs),
-                                                   "placement_group_config": pc.placement_group_config},
-                            map_batches_kwargs={"accelerator_type": None})
-    assert stage.map_batches_kwargs["num_cpus"] == 2 and "num_gpus" not in stage.map_batches_kwargs
-    # engines reserving every CPU would leave Ray Data none for the rows around them
+    calls.clear()
+    regeneration_stage(FakeDataset(), "/m", {"dtype": "float32", "trust_remote_code": False}, cpu, 64, 128)
+    (_, kw), = calls
+    assert kw["num_gpus"] == 0 and kw["num_cpus"] == 2 and "accelerator_type" not in kw
+    assert kw["fn_constructor_kwargs"]["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    # engines and extraction actors overlap: both pools must fit at once
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    with pytest.raises(ConfigError, match="features.generation.num_cpus: 1 vLLM engine.* x 2 CPUs leave 0"):
-        check_cpu_room(gen)
-    check_cpu_room(gen | {"num_cpus": 1.0})
+    extract = {"actors": 1, "num_cpus": 1.0}
+    with pytest.raises(ConfigError, match="features.generation.num_cpus: 1 vLLM engine.* x 2 CPUs leave 0 .* need 1"):
+        check_room(cpu, extract)
+    check_room(cpu | {"num_cpus": 1.0}, extract)
     # a GPU build of vLLM (or none) cannot run on CPU
+
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "distribution", not_installed)
     with pytest.raises(ConfigError, match="needs the vllm-cpu build"):
         check_vllm_cpu_build()
-
-    # the engine's request stats become the shard's generation window
-    rows = [vllm_postprocess({"shard_id": "1", "id": f"s{i}", "tokenized_prompt": [1], "generated_tokens": [2],
-                              "metrics": {"arrival_time": 1000.0 + i, "queued_ts": 50.0, "last_token_ts": 52.0}}, 8)
-            for i in range(2)]
-    shard = assemble_shard(pa.Table.from_pylist(rows)).to_pylist()[0]
-    assert shard["gen_start"] == 1000.0 and shard["gen_seconds"] == 3.0
+    with pytest.raises(ConfigError, match="features.generation.vllm.wave_shards: removed"):
+        parse_section(FeaturesConfig, {"output": "x", "generation": {"vllm": {"wave_shards": 8}}}, "features")
+    assert "vllm" not in sys.modules
 
 
 @pytest.fixture(scope="module")

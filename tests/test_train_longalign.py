@@ -61,16 +61,14 @@ def test_longalign_recipe_matches_the_reference_drafter():
     assert t.export_dtype == "float16" and recipe.version_tags["context"] == "long"
 
 
-def test_evaluation_deals_batches_out_by_cost():
-    """Held-out batches go to the least loaded worker: with one 8K batch among short ones the
-    other worker takes the short ones (turn-taking by index gave worker 0 the long batch AND
-    half the rest); equal costs alternate; a batch's cost is rows x its longest row."""
-    import pyarrow as pa
+def test_evaluation_deals_blocks_out_by_cost():
+    """Held-out blocks go to the least loaded worker: with one 8K block among short ones the
+    other worker takes the short ones (turn-taking by index gave worker 0 the long block AND
+    half the rest); equal costs alternate; every worker computes the same owners."""
+    from pipelines.train.heldout import HeldOut, take_turn
 
-    from pipelines.train.metrics import batch_cost, take_turn
-
-    table = pa.table({"input_ids": [[1] * 3, [1] * 7]})
-    assert batch_cost(table) == 14
+    held = HeldOut(blocks=tuple(range(6)), costs=(16000, 2000, 2000, 2000, 2000, 2000), rows=6)
+    assert held.owned(0, 2) == [0] and held.owned(1, 2) == [1, 2, 3, 4, 5] and held.owned(0, 1) == list(range(6))
     load = [0, 0]
     assert [take_turn(load, c) for c in [16000, 2000, 2000, 2000, 2000, 2000]] == [0, 1, 1, 1, 1, 1]
     assert load == [16000, 10000]

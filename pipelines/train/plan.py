@@ -18,6 +18,7 @@ from pipelines import registry, storage
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainRecipe
 from pipelines.train.data import manifest_sha256, read_sequences, split_holdout
+from pipelines.train.heldout import HeldOut, held_out_blocks
 from pipelines.train.longalign_rows import longalign_rows
 from pipelines.train.runner import TrainState, latest_checkpoint_state
 from pipelines.train.streamed import stream_datasets, stream_layout
@@ -33,7 +34,8 @@ class RunPlan:
     drafter_config: object
     draft_vocab: list[int] | None
     init_state: dict
-    datasets: dict
+    datasets: dict  # {"train": the training rows (Ray Data, split among the workers)}
+    holdout: HeldOut  # the held-out blocks, each worker reading its own
     layout: dict | None
     train_rows: int
     lineage: dict
@@ -78,6 +80,7 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
     if tc.streamed:  # from token rows to rows with features, computed by target actors of their own
         datasets = stream_datasets(recipe, datasets, dataclasses.asdict(spec) | {"identity": target.identity},
                                    layer_ids, target.hidden_size)
+    holdout = held_out_blocks(datasets.pop("holdout"))
 
     lineage = {
         "target_model": spec.model, "target_identity": target.identity, "tokenizer_hash": tok_hash,
@@ -94,7 +97,7 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
     cfg.extra = dict(lineage)
     return RunPlan(target=dataclasses.asdict(spec) | {"identity": target.identity}, drafter_config=cfg,
                    draft_vocab=drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None,
-                   init_state=ray.put(init_state), datasets=datasets,
+                   init_state=ray.put(init_state), datasets=datasets, holdout=holdout,
                    layout=_collate_layout(layout, tc.distill), train_rows=train_rows,
                    lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
                    storage_options=tc.storage_options, resume=resume, mlflow_live=_mlflow_live(tracking_uri))

@@ -72,7 +72,7 @@ def _torch_trainer(recipe: TrainRecipe, plan: RunPlan):
         train["feature_cache"] = str(Path(tc.feature_cache).expanduser().resolve())
     config = {
         "train": train, "drafter": plan.drafter_config.as_dict(), "init_state": plan.init_state,
-        "draft_vocab": plan.draft_vocab,
+        "draft_vocab": plan.draft_vocab, "holdout": plan.holdout,
         "target": plan.target, "layout": plan.layout, "train_rows": plan.train_rows,
         "lam": tc.loss_lambda, "mlflow": {"tracking_uri": plan.tracking_uri, "run_id": plan.run_id,
                                           "live": plan.mlflow_live},

@@ -27,6 +27,7 @@ from pipelines.train.config import TrainSection
 from pipelines.train.data import Collate, bucket_window, bucketed
 from pipelines.train.faults import FaultInjector
 from pipelines.train.feature_cache import FeatureCache
+from pipelines.train.heldout import HeldOut
 from pipelines.train.metrics import TrainingWindow, evaluate
 from pipelines.train.runner import (CHECKPOINT_PREFIX, ONLINE_TEACHER_TOPK, DrafterLoss, TrainState,
                                     enable_gradient_checkpointing, make_runner)
@@ -56,7 +57,7 @@ class _WorkerRun:
     state: TrainState
     collate: Collate
     train_shard: object  # this worker's share of the training rows (Ray Data)
-    holdout: object  # every held-out row (each worker evaluates its share)
+    holdout: HeldOut  # the held-out blocks (each worker reads and evaluates its own)
     metrics_log: registry.MetricsLogger
     faults: FaultInjector
     window: TrainingWindow
@@ -102,7 +103,7 @@ def _start_worker(config: dict) -> _WorkerRun:
     return _WorkerRun(
         tc=tc, rank=rank, world=world, device=device, runner=runner, state=state,
         collate=Collate(config["layout"], tc.max_length, torch.bfloat16 if bf16 else torch.float32),
-        train_shard=ray.train.get_dataset_shard("train"), holdout=ray.train.get_dataset_shard("holdout"),
+        train_shard=ray.train.get_dataset_shard("train"), holdout=config["holdout"],
         metrics_log=registry.MetricsLogger(mlflow["tracking_uri"] if live else None, mlflow["run_id"]),
         faults=FaultInjector.from_env(rank), window=TrainingWindow(runner.drafter.config.block_size),
         generator=torch.Generator(device=device), train_rows=train_rows, total_samples=total_samples)
