@@ -6,6 +6,8 @@
     python jobs/loadtest.py --start --drafter models:/dflash-smollm2-135m@champion
     # the same on the vllm backend: the speculative vLLM app against plain vLLM
     python jobs/loadtest.py --start --backend vllm
+    # speculation off under load: 2 requests speculate at once, the rest go to a plain pool
+    python jobs/loadtest.py --start --backend vllm --plain-pool 2
 
 AR serving is the same application with ``drafter=none`` (plain AR decoding in the same
 continuous-batching engine); ``--start`` runs it at route ``/ar`` next to the
@@ -163,7 +165,8 @@ def app_settings(args) -> tuple[dict, dict]:
               "api_key_env": "DFLASH_LOADTEST_NO_KEY"}
     if args.backend == "vllm":  # engine limits are vLLM's own (serve_app.vllm_app refuses ours)
         common["vllm_engine_kwargs"] = {"max_model_len": 2048, "max_num_seqs": max(args.concurrency)}
-        extra = {}
+        extra = {} if args.plain_pool is None else {"vllm_plain_pool": True,
+                                                    "speculative_max_inflight": args.plain_pool}
     else:
         common.update(max_batch_size=max(args.concurrency), max_tokens_limit=max(args.max_tokens, 16),
                       torch_threads=args.torch_threads, registry_poll_s=0)
@@ -259,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tracking-uri", default=None)
     ap.add_argument("--speculation", default="auto", help="the served mode: auto | off | N (a fixed block)")
     ap.add_argument("--lookup-block", type=int, default=8, help="prompt lookup beside the drafter (0: drafter alone)")
+    ap.add_argument("--plain-pool", type=int, default=None, metavar="N",
+                    help="vllm: the speculative app gets a plain pool; N requests speculate at once, the rest "
+                         "decode plain (vllm_plain_pool, speculative_max_inflight)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--torch-threads", type=int, default=None)

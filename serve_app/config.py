@@ -82,6 +82,12 @@ class ServeConfig(BaseModel):
     accelerator_type: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     vllm_engine_kwargs: dict = Field(default_factory=dict, description="Extra vLLM engine arguments")
+    vllm_plain_pool: bool = Field(False, description="With a drafter: a second engine pool of the target "
+                                  "without speculation; the ingress sends a request there while "
+                                  "speculative_max_inflight requests are already speculating (speculation off "
+                                  "under load; serve_app/vllm_routing.py)")
+    speculative_max_inflight: int = Field(4, ge=0, description="vllm_plain_pool: requests an ingress replica "
+                                          "sends to the speculative pool at once; the rest decode plain")
 
     @model_validator(mode="before")
     @classmethod

@@ -286,15 +286,16 @@ def scrape_totals(text: str, prefix: str = "dflash_") -> dict:
     """Parse ``/metrics`` text back into totals over the replicas: every sample by its name
     without ``prefix`` (``draft_seconds_sum``, ``generated_tokens_total``, ...), the
     by-source counters as ``{source: value}`` dicts, and ``drafter_info`` as the labels of
-    the drafter in use (None without one)."""
+    the drafter in use (None without one; empty labels only where no replica has one)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict = {"draft_tokens_total": {}, "accepted_draft_tokens_total": {}, "drafter_info": None}
     for family in text_string_to_metric_families(text):
         for smp in family.samples:
             name = smp.name.removeprefix(prefix)
-            if name == "drafter_info":
-                out[name] = {"source": smp.labels.get("source"), "version": smp.labels.get("version")}
+            if name == "drafter_info":  # a replica without a drafter (a plain pool's) names none
+                if out[name] is None or smp.labels.get("source"):
+                    out[name] = {"source": smp.labels.get("source"), "version": smp.labels.get("version")}
             elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
                 src = smp.labels["source"]
                 out[name][src] = out[name].get(src, 0.0) + smp.value

@@ -156,14 +156,33 @@ def checked_ingress_class():
     from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
     from serve_app.ingress import guard_app, render_metrics
+    from serve_app.vllm_routing import PoolRouter, rename_model
 
     class CheckedIngress(OpenAiIngress):
         def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, hub=None,
-                     **kwargs):
+                     pools: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self._api_key = os.environ.get(api_key_env) or None
             self._speculative = speculative
             self._hub = hub  # the app's MetricsHub: engine replicas publish there, /metrics renders
+            # two engine pools behind one name (serve_app/vllm_routing.py), or None
+            self._router = PoolRouter(pools["public"], pools["max_speculating"]) if pools else None
+
+        async def _get_response(self, *, body, call_method: str, raw_request=None):
+            """The request to the pool the router picks (the plain one under load), its
+            responses named as the public model either way."""
+            router = self._router
+            if router is None or body.model not in (None, router.public):  # another model id: as asked
+                async for response in super()._get_response(body=body, call_method=call_method,
+                                                            raw_request=raw_request):
+                    yield response
+                return
+            pool = router.pick()
+            with router.serving(pool):
+                routed = body.model_copy(update={"model": pool})
+                async for response in super()._get_response(body=routed, call_method=call_method,
+                                                            raw_request=raw_request):
+                    yield rename_model(response, pool, router.public) if pool != router.public else response
 
         def _set_asgi_app(self, asgi_app) -> None:
             # Serve installs the replica's copy of the FastAPI app here: the key check goes
@@ -189,8 +208,11 @@ def checked_ingress_class():
             """Ray Serve LLM's model list, each card's ``metadata.drafter`` the drafter(s) the
             engine replicas serve now (from their metrics)."""
             listing = await super().models()
+            if self._router is not None:  # the plain pool is an implementation detail
+                listing.data = [card for card in listing.data if card.id != self._router.plain]
             snaps = await self._hub.collect.remote() if self._hub is not None else {}
-            served = sorted({(s["drafter"]["source"], s["drafter"]["version"]) for s in snaps.values()})
+            served = sorted({(s["drafter"]["source"], s["drafter"]["version"]) for s in snaps.values()
+                             if s["drafter"]["source"]})
             for card in listing.data:
                 card.metadata["drafter"] = [{"source": src, "version": v} for src, v in served]
             return listing
@@ -279,6 +301,20 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     return out
 
 
+def engine_pools(cfg: ServeConfig, target_path: str, source: dict | None) -> tuple[list[dict], dict | None]:
+    """The app's ``LLMConfig`` keyword arguments: the (speculative) pool, plus with
+    ``vllm_plain_pool`` and a drafter the plain pool of the same target; and the ingress's
+    routing settings (None: one pool)."""
+    from serve_app.vllm_routing import plain_model_id
+
+    configs = [vllm_llm_config(cfg, target_path, source)]
+    if not (cfg.vllm_plain_pool and source is not None):
+        return configs, None
+    plain = vllm_llm_config(cfg, target_path, None)
+    plain["model_loading_config"]["model_id"] = plain_model_id(cfg.served_model_name)
+    return configs + [plain], {"public": cfg.served_model_name, "max_speculating": cfg.speculative_max_inflight}
+
+
 _LAZY = {"DrafterOnNode": drafter_on_node_class, "CheckedIngress": checked_ingress_class}
 
 
@@ -303,12 +339,12 @@ def build_vllm_app(cfg: ServeConfig):
     choice = choose_drafter(cfg)
     choice.log_to(log)
     source = node_source(choice)
-    llm_config = LLMConfig(**vllm_llm_config(cfg, resolve_target_path(cfg.target), source))
+    configs, pools = engine_pools(cfg, resolve_target_path(cfg.target), source)
     return build_openai_app({
-        "llm_configs": [llm_config],
+        "llm_configs": [LLMConfig(**c) for c in configs],
         "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",
                                "ingress_extra_kwargs": {"api_key_env": cfg.api_key_env,
-                                                        "speculative": source is not None,
+                                                        "speculative": source is not None, "pools": pools,
                                                         "hub": MetricsHub.bind(ttl_s=max(15.0, 5 * cfg.metrics_push_s))}},
         # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
         "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},

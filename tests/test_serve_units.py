@@ -541,6 +541,61 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert parsed.server_cls.__name__ == "DFlashLLMServer"
 
 
+def test_vllm_plain_pool_beside_the_speculative_one(tiny):
+    """vllm_plain_pool: a second LLMConfig of the same target without a drafter, under a
+    model id the ingress routes to (and never lists); without a drafter, one pool."""
+    from serve_app.vllm_app import engine_pools
+
+    root, target = tiny
+    source = {"kind": "path", "path": str(make_drafter(target, root / "d-pools"))}
+    cfg = load_config({"backend": "vllm", "vllm_plain_pool": True, "speculative_max_inflight": 2})
+    (spec, plain), pools = engine_pools(cfg, "/t", source)
+    assert pools == {"public": "smollm2-135m", "max_speculating": 2}
+    assert spec["model_loading_config"]["model_id"] == "smollm2-135m" and "speculative_config" in spec["engine_kwargs"]
+    assert plain["model_loading_config"] == {"model_id": "smollm2-135m--plain", "model_source": "/t"}
+    assert "speculative_config" not in plain["engine_kwargs"]
+    assert plain.get("callback_config", {}).get("callback_kwargs", {}).get("source") is None  # no drafter
+    assert plain["deployment_config"] == spec["deployment_config"]  # the same policy and limits
+    assert engine_pools(cfg, "/t", None) == ([plain | {"model_loading_config": spec["model_loading_config"]}], None)
+    assert engine_pools(load_config({"backend": "vllm"}), "/t", source)[1] is None
+    with pytest.raises(ValueError, match="speculative_max_inflight"):
+        load_config({"backend": "vllm", "speculative_max_inflight": -1})
+
+
+def test_pool_router_speculates_up_to_the_bound_and_renames():
+    """Requests speculate while fewer than the bound do; the rest decode plain until a
+    speculating one ends; responses of the plain pool carry the public name in every shape
+    the LLM server yields them."""
+    from types import SimpleNamespace as NS
+
+    from pydantic import BaseModel
+
+    from serve_app.vllm_routing import PoolRouter, rename_model
+
+    r = PoolRouter("m", 2)
+    with r.serving(r.pick()), r.serving(r.pick()):
+        assert r.inflight == {"m": 2, "m--plain": 0} and r.pick() == "m--plain"
+        with r.serving(r.pick()):
+            assert r.inflight == {"m": 2, "m--plain": 1}
+    assert r.pick() == "m" and r.inflight == {"m": 0, "m--plain": 0} and r.served == {"m": 2, "m--plain": 1}
+    with pytest.raises(RuntimeError), r.serving("m--plain"):
+        raise RuntimeError("client went away")
+    assert r.inflight["m--plain"] == 0  # a dropped response frees its slot
+    assert PoolRouter("m", 0).pick() == "m--plain"
+
+    class Resp(BaseModel):
+        model: str
+        text: str = "m--plain"
+
+    old, new = "m--plain", "m"
+    assert rename_model(Resp(model=old), old, new) == Resp(model=new)  # the content is left alone
+    assert rename_model({"model": old, "x": 1}, old, new) == {"model": new, "x": 1}
+    sse = 'data: {"id":"c","model":"m--plain","choices":[{"text":"m--plain"}]}\n\n'
+    assert rename_model(sse, old, new) == 'data: {"id":"c","model":"m","choices":[{"text":"m--plain"}]}\n\n'
+    assert rename_model([sse, {"model": old}], old, new)[1] == {"model": new}
+    assert rename_model(NS(model="other"), old, new).model == "other"
+
+
 @pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
                                             ("registry_poll_s", 0), ("max_batch_size", 4), ("torch_threads", 2)])
 def test_vllm_backend_refuses_settings_it_would_drop(setting, value):

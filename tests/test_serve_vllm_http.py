@@ -7,7 +7,9 @@ the speculative app (the packaged reference drafter) and the same app with
   plain app's greedy output, stops at EOS included;
 * the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
   under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
-* the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version.
+* the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version;
+* the speculative app has a plain pool beside it (``vllm_plain_pool``, 2 requests speculate at
+  once): past the bound requests decode plain, exact all the same, under the public name.
 """
 
 import os
@@ -80,7 +82,8 @@ def apps():
         base = f"http://127.0.0.1:{port}"
         built = {}
         try:
-            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri)),
+            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri,
+                                                      vllm_plain_pool=True, speculative_max_inflight=2)),
                                    ("plain", _settings("none"))):
                 built[name] = build_app(settings)
                 serve.run(built[name], name=name, route_prefix=f"/{name}", blocking=False)
@@ -119,18 +122,31 @@ def _chat(url: str, messages: list[dict]) -> dict:
         "model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
+    assert r.json()["model"] == MODEL  # whichever pool answered
     return {"text": choice["message"]["content"], "finish": choice["finish_reason"],
             "tokens": r.json()["usage"]["completion_tokens"]}
 
 
+def _pool_busy(pool: str) -> bool:
+    from ray import serve
+
+    server = serve.get_deployment_handle(f"DFlashLLMServer:{pool}", "spec")
+    return server.record_autoscaling_stats.remote().result()[METRIC_ONGOING] > 0
+
+
 def test_concurrent_greedy_output_equals_plain_vllm(apps):
     """8 prompts x 64 tokens at once per app: the speculative app's greedy output (and
-    where it stops) equals the plain app's, request for request."""
+    where it stops) equals the plain app's, request for request; 2 of them speculate at a
+    time, the others decode in the app's plain pool (seen busy while they run)."""
     prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=7)] + [SHORT]
     outs = {}
     with ThreadPoolExecutor(len(prompts)) as pool:
         for name, url in apps["urls"].items():
-            outs[name] = list(pool.map(lambda m, u=url: _chat(u, m), prompts))
+            running = [pool.submit(_chat, url, m) for m in prompts]
+            if name == "spec":
+                wait_for(lambda: _pool_busy(f"{MODEL}--plain") and _pool_busy(MODEL), 120, interval=0.2,
+                         what="both pools serving")
+            outs[name] = [f.result() for f in running]
     assert outs["spec"] == outs["plain"]
     finishes = [o["finish"] for o in outs["plain"]]
     assert "stop" in finishes and "length" in finishes, finishes

@@ -12,15 +12,14 @@ run resumes the shards without one).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import pyarrow as pa
 
 from pipelines.config import ConfigError
-from pipelines.features.workers import (SEQUENCES_SCHEMA, SKIP_PROMPT_TOO_LONG, PromptEncoder, _add_sequence,
-                                        _empty_sequences, load_shard_row, shard_seed)
+from pipelines.features.workers import (SEQUENCES_SCHEMA, PromptEncoder, _add_sequence, encode_shard,
+                                        load_shard_row, shard_seed)
 
 
 class RegenerateVLLM:
@@ -50,15 +49,7 @@ class RegenerateVLLM:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        out = _empty_sequences(shard["shard_id"])
-        todo = []
-        for sample_id, messages in zip(shard["ids"], shard["messages"]):
-            prompt = self.encode(json.loads(messages))
-            if prompt is None:
-                out["skipped_ids"].append(sample_id)
-                out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
-            else:
-                todo.append((sample_id, prompt))
+        out, todo = encode_shard(self.encode, shard)
         params = SamplingParams(**vllm_sampling_params(self.gen, shard["shard_id"]))
         start, t0 = time.time(), time.perf_counter()
         # one call per shard: vLLM batches the shard's prompts continuously itself

@@ -153,6 +153,20 @@ def load_shard_row(row: dict, storage_options: dict | None) -> dict:
     return storage.read_json(fs, path)
 
 
+def encode_shard(encode: PromptEncoder, shard: dict) -> tuple[dict, list[tuple[str, list[int]]]]:
+    """A shard's empty sequences record with its too-long prompts already skipped (and named),
+    and the (sample id, prompt ids) pairs left to answer, in the shard's order."""
+    out, todo = _empty_sequences(shard["shard_id"]), []
+    for sample_id, messages in zip(shard["ids"], shard["messages"]):
+        prompt = encode(json.loads(messages))
+        if prompt is None:
+            out["skipped_ids"].append(sample_id)
+            out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
+        else:
+            todo.append((sample_id, prompt))
+    return out, todo
+
+
 def shard_seed(seed: int, shard_id: str) -> int:
     """A per-shard sampling seed: a re-run shard draws the same responses."""
     return int(hashlib.sha256(f"{seed}:{shard_id}".encode()).hexdigest()[:15], 16)
@@ -187,15 +201,7 @@ class Regenerate:
         from specdec.engine import Engine, Request
 
         t0 = time.perf_counter()
-        out = _empty_sequences(shard["shard_id"])
-        todo = []
-        for sample_id, messages in zip(shard["ids"], shard["messages"]):
-            prompt = self.encode(json.loads(messages))
-            if prompt is None:
-                out["skipped_ids"].append(sample_id)
-                out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
-            else:
-                todo.append((sample_id, prompt))
+        out, todo = encode_shard(self.encode, shard)
         todo.sort(key=lambda item: len(item[1]))  # similar lengths are admitted together: less padding
         recorder = FeatureRecorder(record_layers, record_dtype) if record_layers else None
         engine = Engine(self.target, recorder, width=1, seed=shard_seed(self.gen["seed"], shard["shard_id"]))

