@@ -51,7 +51,6 @@ UNSUPPORTED = {
                         "(set vllm_engine_kwargs.max_model_len)",
     "default_max_tokens": "vLLM's default applies (the rest of the context)",
     "request_timeout_s": "set Serve's request_timeout_s in the http_options of serve config instead",
-    "registry_poll_s": "vLLM fixes its drafter at engine start; redeploy to follow a moved alias",
     "max_batch_size": "set vllm_engine_kwargs.max_num_seqs",
     "max_prefill_tokens": "set vllm_engine_kwargs.max_num_batched_tokens",
     "torch_threads": "vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
@@ -157,11 +156,13 @@ def checked_ingress_class():
 
     from serve_app.ingress import guard_app, render_metrics
     from serve_app.vllm_routing import PoolRouter, rename_model
+    from serve_app.vllm_swap import follow_registry
 
     class CheckedIngress(OpenAiIngress):
         def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, hub=None,
-                     pools: dict | None = None, **kwargs):
+                     pools: dict | None = None, watch: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
+            self._watcher = follow_registry(watch) if watch else None  # a registry alias (vllm_swap.py)
             self._api_key = os.environ.get(api_key_env) or None
             self._speculative = speculative
             self._hub = hub  # the app's MetricsHub: engine replicas publish there, /metrics renders
@@ -340,11 +341,15 @@ def build_vllm_app(cfg: ServeConfig):
     choice.log_to(log)
     source = node_source(choice)
     configs, pools = engine_pools(cfg, resolve_target_path(cfg.target), source)
+    follows = choice.kind == "registry" and choice.source.version is None and cfg.registry_poll_s > 0
+    watch = {"args": cfg.model_dump(), "source": choice.source.source, "tracking_uri": choice.source.tracking_uri,
+             "version": choice.version, "poll_s": cfg.registry_poll_s} if follows else None
     return build_openai_app({
         "llm_configs": [LLMConfig(**c) for c in configs],
         "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",
                                "ingress_extra_kwargs": {"api_key_env": cfg.api_key_env,
                                                         "speculative": source is not None, "pools": pools,
+                                                        "watch": watch,
                                                         "hub": MetricsHub.bind(ttl_s=max(15.0, 5 * cfg.metrics_push_s))}},
         # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
         "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},

