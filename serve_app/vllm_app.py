@@ -302,6 +302,17 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     return out
 
 
+def registry_watch(cfg: ServeConfig, choice: "DrafterChoice") -> dict | None:
+    """The ingress's :class:`serve_app.vllm_swap.ChampionWatcher` arguments when the app
+    serves a registry alias and ``registry_poll_s`` > 0, else None. The registry is pinned as
+    resolved here: a replica may not have the driver's ``$MLFLOW_TRACKING_URI``."""
+    if not (choice.kind == "registry" and choice.source.version is None and cfg.registry_poll_s > 0):
+        return None
+    uri = choice.source.tracking_uri
+    return {"args": {**cfg.model_dump(), "tracking_uri": uri}, "source": choice.source.source, "tracking_uri": uri,
+            "version": choice.version, "poll_s": cfg.registry_poll_s}
+
+
 def engine_pools(cfg: ServeConfig, target_path: str, source: dict | None) -> tuple[list[dict], dict | None]:
     """The app's ``LLMConfig`` keyword arguments: the (speculative) pool, plus with
     ``vllm_plain_pool`` and a drafter the plain pool of the same target; and the ingress's
@@ -341,9 +352,7 @@ def build_vllm_app(cfg: ServeConfig):
     choice.log_to(log)
     source = node_source(choice)
     configs, pools = engine_pools(cfg, resolve_target_path(cfg.target), source)
-    follows = choice.kind == "registry" and choice.source.version is None and cfg.registry_poll_s > 0
-    watch = {"args": cfg.model_dump(), "source": choice.source.source, "tracking_uri": choice.source.tracking_uri,
-             "version": choice.version, "poll_s": cfg.registry_poll_s} if follows else None
+    watch = registry_watch(cfg, choice)
     return build_openai_app({
         "llm_configs": [LLMConfig(**c) for c in configs],
         "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",

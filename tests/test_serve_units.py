@@ -562,6 +562,26 @@ def test_vllm_plain_pool_beside_the_speculative_one(tiny):
         load_config({"backend": "vllm", "speculative_max_inflight": -1})
 
 
+def test_vllm_app_follows_a_registry_alias_only(tiny):
+    """The hot-swap watcher is set up for a registry alias with registry_poll_s > 0, with the
+    registry pinned; not for a pinned version, a directory, or registry_poll_s 0."""
+    from serve_app.registry import DrafterChoice, DrafterSource
+    from serve_app.vllm_app import registry_watch
+
+    root, target = tiny
+    alias = DrafterChoice(DrafterSource("models:/d@champion", "sqlite:///r.db"), "3", None, "test")
+    cfg = load_config({"backend": "vllm", "drafter": "models:/d@champion", "registry_poll_s": 5})
+    watch = registry_watch(cfg, alias)
+    assert watch["source"] == "models:/d@champion" and watch["version"] == "3" and watch["poll_s"] == 5
+    assert watch["tracking_uri"] == watch["args"]["tracking_uri"] == "sqlite:///r.db"
+    assert load_config(watch["args"]).drafter == "models:/d@champion"  # the app rebuilds from these
+    assert registry_watch(load_config({"backend": "vllm", "registry_poll_s": 0}), alias) is None
+    pinned = DrafterChoice(DrafterSource("models:/d/3", "sqlite:///r.db"), "3", None, "test")
+    assert registry_watch(cfg, pinned) is None
+    local = DrafterChoice(DrafterSource(str(root)), "local", str(root), "test")
+    assert registry_watch(cfg, local) is None
+
+
 def test_pool_router_speculates_up_to_the_bound_and_renames():
     """Requests speculate while fewer than the bound do; the rest decode plain until a
     speculating one ends; responses of the plain pool carry the public name in every shape
