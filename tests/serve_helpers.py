@@ -106,6 +106,37 @@ def wait_for(predicate, timeout: float, interval: float = 0.25, what: str = "con
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+#: Serve pushes autoscaling metrics every 0.5 s (the controller and replicas inherit these)
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+
+
+def load_until(send, condition, clients: int, timeout: float, interval: float, what: str) -> tuple[list, float]:
+    """Run ``clients`` threads calling ``send()`` (a response) in a loop until ``condition()``
+    holds; returns the texts of non-200 responses and the seconds it took."""
+    import threading
+
+    stop, errors = threading.Event(), []
+
+    def client():
+        while not stop.is_set():
+            r = send()
+            if r.status_code != 200:
+                errors.append(r.text)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        wait_for(condition, timeout, interval=interval, what=what)
+        return errors, time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+
+
 def metric_value(text: str, name: str, **labels) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -8,7 +8,6 @@ target, max 2 replicas, short delays) and idling lowers it again.
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import httpx
@@ -21,7 +20,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from serve_app.autoscaling import (POLICY_PATH, AcceptanceAwarePolicy, ReplicaLoad, autoscaling_config_dict,
                                    desired_replicas)
 from serve_app.config import load_config
-from serve_helpers import free_port, load, make_drafter, private_dir, restore_env, tiny_target_dir, wait_for
+from serve_helpers import (FAST_METRICS, free_port, load, load_until, make_drafter, private_dir, restore_env,
+                           tiny_target_dir, wait_for)
 
 DEP = DeploymentID(name="DFlashReplica", app_name="dflash")
 
@@ -77,8 +77,6 @@ def test_policy_formula_and_config_wiring():
 
 # ---------------------------------------------------------------------- real scaling
 APP = "autoscale"
-FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
 @pytest.fixture(scope="module")
@@ -119,27 +117,10 @@ def _replicas() -> dict:
 
 def test_short_load_scales_up_and_idle_scales_down(scaling_app):
     assert _replicas() == {"RUNNING": 1}
-    stop = threading.Event()
-    errors: list[str] = []
-
-    def client():
-        with httpx.Client(base_url=scaling_app, timeout=120) as c:
-            while not stop.is_set():
-                r = c.post("/v1/completions", json={"prompt": "load", "max_tokens": 200, "temperature": 0})
-                if r.status_code != 200:
-                    errors.append(r.text)
-
-    threads = [threading.Thread(target=client) for _ in range(4)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: _replicas().get("RUNNING", 0) == 2, 75, interval=0.5, what="a second replica")
-        up_s = time.monotonic() - t0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
+    with httpx.Client(base_url=scaling_app, timeout=120) as c:
+        errors, up_s = load_until(
+            lambda: c.post("/v1/completions", json={"prompt": "load", "max_tokens": 200, "temperature": 0}),
+            lambda: _replicas().get("RUNNING", 0) == 2, clients=4, timeout=75, interval=0.5, what="a second replica")
     assert not errors, errors[:2]
     t1 = time.monotonic()
     wait_for(lambda: _replicas() == {"RUNNING": 1}, 60, interval=0.5, what="scale down to one replica")

@@ -5,21 +5,18 @@ policy's inputs come from ``DFlashLLMServer.record_autoscaling_stats`` (vLLM's c
 as on the hf backend from its paired replica (``tests/test_serve_autoscaling.py``)."""
 
 import os
-import threading
 import time
 
 import pytest
 import requests
 
-from serve_helpers import free_port, private_dir, restore_env, wait_for
+from serve_helpers import FAST_METRICS, free_port, load_until, private_dir, restore_env, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
 
 APP = "vscale"
 DEPLOYMENT = "DFlashLLMServer:smollm2-135m"
-FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
 @pytest.fixture(scope="module")
@@ -59,29 +56,13 @@ def _replicas() -> dict:
 
 def test_sustained_load_adds_an_engine_replica_and_idle_removes_it(scaling_app):
     assert _replicas() == {"RUNNING": 1}
-    stop = threading.Event()
-    errors: list[str] = []
-
-    def client():
-        while not stop.is_set():
-            r = requests.post(f"{scaling_app}/v1/chat/completions", timeout=300, json={
-                "messages": [{"role": "user", "content": "Count from one to forty."}], "max_tokens": 48,
-                "temperature": 0})
-            if r.status_code != 200:
-                errors.append(r.text)
-
-    threads = [threading.Thread(target=client) for _ in range(4)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: _replicas().get("RUNNING", 0) == 2, 300, interval=1, what="a second engine replica")
-        up_s = time.monotonic() - t0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(300)
-    assert not errors, errors[:2]  # no request failed while an engine replica started
+    # no request fails while an engine replica starts
+    errors, up_s = load_until(
+        lambda: requests.post(f"{scaling_app}/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": "Count from one to forty."}], "max_tokens": 48,
+            "temperature": 0}),
+        lambda: _replicas().get("RUNNING", 0) == 2, clients=4, timeout=300, interval=1, what="a second engine replica")
+    assert not errors, errors[:2]
     t1 = time.monotonic()
     wait_for(lambda: _replicas() == {"RUNNING": 1}, 180, interval=1, what="scale down to one engine replica")
     print(f"vllm: scaled up in {up_s:.1f}s under load, down in {time.monotonic() - t1:.1f}s when idle")
