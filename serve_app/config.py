@@ -86,6 +86,10 @@ class ServeConfig(BaseModel):
                                   "without speculation; the ingress sends a request there while "
                                   "speculative_max_inflight requests are already speculating (speculation off "
                                   "under load; serve_app/vllm_routing.py)")
+    vllm_rollout_surge: bool = Field(True, description="A hot swap (a moved registry alias) starts each new "
+                                     "engine replica before an old one stops, so requests never wait for an "
+                                     "engine (the cluster needs room for one more engine replica); False: stop "
+                                     "first, requests wait in Serve's queue meanwhile")
     speculative_max_inflight: int = Field(4, ge=0, description="vllm_plain_pool: requests an ingress replica "
                                           "sends to the speculative pool at once; the rest decode plain")
 

@@ -13,8 +13,9 @@ What differs from the ``hf`` backend, and why:
   builder only pins the registry alias to a version (every replica serves the same one).
 * The drafter is the one :func:`serve_app.registry.choose_drafter` picks, as on the hf
   backend, but vLLM fixes the number of drafted tokens at engine start: ``speculation``
-  "auto" means the drafter's own B, and the drafter does not follow a moving alias
-  (redeploy to pick up a new champion; docs/serving.md says why).
+  "auto" means the drafter's own B, and a moved alias rolls the engine replicas (the
+  ingress's :class:`serve_app.vllm_swap.ChampionWatcher` redeploys the app) instead of
+  swapping weights in place (docs/serving.md says why).
 * Autoscaling and ``/metrics``: as on the hf backend. The engine replica is our subclass of
   Ray Serve LLM's server (:mod:`serve_app.vllm_server`, ``LLMConfig.server_cls``), which reads
   vLLM's spec-decode counters in-process and publishes tau, tokens/s and ongoing requests to
@@ -33,6 +34,7 @@ What differs from the ``hf`` backend, and why:
 
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -264,6 +266,10 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
             "autoscaling_config": autoscaling_config_dict(cfg),
             "max_ongoing_requests": cfg.replica_max_ongoing_requests,
             "max_queued_requests": cfg.max_queued_requests,
+            # a rolling update (the hot swap, serve_app/vllm_swap.py) starts one new replica
+            # before an old one stops; the old one gets a request's time to drain
+            "max_surge_percent": 1 if cfg.vllm_rollout_surge else 0,
+            "graceful_shutdown_timeout_s": cfg.request_timeout_s,
         },
         # vLLM's stat logger then writes to the replica's own prometheus registry, where our
         # server class (serve_app/vllm_server.py) reads the spec-decode counters in-process
@@ -302,7 +308,7 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     return out
 
 
-def registry_watch(cfg: ServeConfig, choice: "DrafterChoice") -> dict | None:
+def registry_watch(cfg: ServeConfig, choice: "DrafterChoice", salt: str) -> dict | None:
     """The ingress's :class:`serve_app.vllm_swap.ChampionWatcher` arguments when the app
     serves a registry alias and ``registry_poll_s`` > 0, else None. The registry is pinned as
     resolved here: a replica may not have the driver's ``$MLFLOW_TRACKING_URI``."""
@@ -310,7 +316,7 @@ def registry_watch(cfg: ServeConfig, choice: "DrafterChoice") -> dict | None:
         return None
     uri = choice.source.tracking_uri
     return {"args": {**cfg.model_dump(), "tracking_uri": uri}, "source": choice.source.source, "tracking_uri": uri,
-            "version": choice.version, "poll_s": cfg.registry_poll_s}
+            "version": choice.version, "poll_s": cfg.registry_poll_s, "salt": salt}
 
 
 def engine_pools(cfg: ServeConfig, target_path: str, source: dict | None) -> tuple[list[dict], dict | None]:
@@ -339,12 +345,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'serve_app.vllm_app' has no attribute {name!r}")
 
 
-def build_vllm_app(cfg: ServeConfig):
-    """The Ray Serve LLM OpenAI app for ``cfg`` (needs vLLM and ``ray[llm]``'s Python deps)."""
+def build_vllm_app(cfg: ServeConfig, salt: str | None = None):
+    """The Ray Serve LLM OpenAI app for ``cfg`` (needs vLLM and ``ray[llm]``'s Python deps).
+    ``salt``: its deployments' versions (:func:`serve_app.vllm_swap.pin_versions`); a new one
+    per build unless the hot-swap watcher rebuilds the app it serves."""
     from ray.serve.llm import LLMConfig, build_openai_app
 
     from serve_app.metrics import MetricsHub
     from serve_app.registry import choose_drafter
+    from serve_app.vllm_swap import pin_versions
     from specdec.target import resolve_target_path
 
     check_settings(cfg)
@@ -352,8 +361,9 @@ def build_vllm_app(cfg: ServeConfig):
     choice.log_to(log)
     source = node_source(choice)
     configs, pools = engine_pools(cfg, resolve_target_path(cfg.target), source)
-    watch = registry_watch(cfg, choice)
-    return build_openai_app({
+    salt = salt or uuid.uuid4().hex
+    watch = registry_watch(cfg, choice, salt)
+    app = build_openai_app({
         "llm_configs": [LLMConfig(**c) for c in configs],
         "ingress_cls_config": {"ingress_cls": "serve_app.vllm_app:CheckedIngress",
                                "ingress_extra_kwargs": {"api_key_env": cfg.api_key_env,
@@ -363,3 +373,5 @@ def build_vllm_app(cfg: ServeConfig):
         # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
         "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},
     })
+    pin_versions(app, salt)
+    return app

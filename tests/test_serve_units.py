@@ -517,6 +517,11 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert d["engine_kwargs"]["disable_log_stats"] is False
     assert d["experimental_configs"]["dflash"]["drafter"] == {"source": str(drafter_dir), "version": ""}
     assert d["deployment_config"]["max_queued_requests"] == 256  # honoured, not dropped
+    # a hot swap starts the new engine replica before the old one stops, which drains
+    assert d["deployment_config"]["max_surge_percent"] == 1
+    assert d["deployment_config"]["graceful_shutdown_timeout_s"] == cfg.request_timeout_s
+    stop_first = vllm_llm_config(load_config({"backend": "vllm", "vllm_rollout_surge": False}), "/t", source)
+    assert stop_first["deployment_config"]["max_surge_percent"] == 0
     sched = [[1, 4, 3], [5, 64, 0]]
     scheduled = vllm_llm_config(load_config({"backend": "vllm", "vllm_engine_kwargs": {
         "speculative_config": {"num_speculative_tokens_per_batch_size": sched}}}), "/t", source)
@@ -571,15 +576,60 @@ def test_vllm_app_follows_a_registry_alias_only(tiny):
     root, target = tiny
     alias = DrafterChoice(DrafterSource("models:/d@champion", "sqlite:///r.db"), "3", None, "test")
     cfg = load_config({"backend": "vllm", "drafter": "models:/d@champion", "registry_poll_s": 5})
-    watch = registry_watch(cfg, alias)
+    watch = registry_watch(cfg, alias, "s1")
     assert watch["source"] == "models:/d@champion" and watch["version"] == "3" and watch["poll_s"] == 5
+    assert watch["salt"] == "s1"  # a rebuild keeps the versions of what it does not change
     assert watch["tracking_uri"] == watch["args"]["tracking_uri"] == "sqlite:///r.db"
     assert load_config(watch["args"]).drafter == "models:/d@champion"  # the app rebuilds from these
-    assert registry_watch(load_config({"backend": "vllm", "registry_poll_s": 0}), alias) is None
+    assert registry_watch(load_config({"backend": "vllm", "registry_poll_s": 0}), alias, "s1") is None
     pinned = DrafterChoice(DrafterSource("models:/d/3", "sqlite:///r.db"), "3", None, "test")
-    assert registry_watch(cfg, pinned) is None
+    assert registry_watch(cfg, pinned, "s1") is None
     local = DrafterChoice(DrafterSource(str(root)), "local", str(root), "test")
-    assert registry_watch(cfg, local) is None
+    assert registry_watch(cfg, local, "s1") is None
+
+
+def test_pinned_versions_restart_only_what_a_rebuild_changed():
+    """Every deployment of a built app gets a version from the build salt (Serve would draw a
+    random one per serve.run, restarting every replica on a redeploy): rebuilt with the same
+    salt only the engine whose LLMConfig changed gets a new version; a new salt changes all."""
+    from pydantic import BaseModel
+    from ray import serve
+
+    from serve_app.vllm_swap import pin_versions
+
+    class Engine(BaseModel):
+        drafter_version: str
+
+    @serve.deployment
+    class Server:
+        def __init__(self, llm_config):
+            pass
+
+    @serve.deployment
+    class Hub:
+        pass
+
+    @serve.deployment
+    class Ingress:
+        def __init__(self, llm_deployments, hub, watch):
+            pass
+
+    def build(spec_version: str, salt: str) -> dict[str, str]:
+        engines = {m: Server.options(name=f"Server:{m}").bind(llm_config=Engine(drafter_version=v))
+                   for m, v in (("spec", spec_version), ("plain", ""))}
+        app = Ingress.bind(llm_deployments=engines, hub=Hub.bind(), watch={"version": spec_version})
+        versions = pin_versions(app, salt)
+        assert app._bound_deployment.version == versions["Ingress"]
+        assert engines["spec"]._bound_deployment.version == versions["Server:spec"]
+        return versions
+
+    v1 = build("1", "salt")
+    assert set(v1) == {"Server:spec", "Server:plain", "Hub", "Ingress"} and len(set(v1.values())) == 4
+    assert build("1", "salt") == v1  # deterministic
+    v2 = build("2", "salt")
+    assert {name for name in v1 if v1[name] != v2[name]} == {"Server:spec"}
+    fresh = build("1", "other salt")
+    assert all(fresh[name] != v1[name] for name in v1)
 
 
 def test_pool_router_speculates_up_to_the_bound_and_renames():

@@ -8,8 +8,9 @@ the speculative app (the packaged reference drafter) and the same app with
 * the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
   under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
 * the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version;
-* a promotion (``@champion`` moved to version 2) under load rolls the engine replicas by
-  itself (the ingress's registry watcher redeploys the app);
+* a promotion (``@champion`` moved to version 2) under load rolls the speculative engine
+  replica by itself (the ingress's registry watcher redeploys the app), nothing else, and no
+  request fails;
 * the speculative app has a plain pool beside it (``vllm_plain_pool``, 2 requests speculate at
   once): past the bound requests decode plain, exact all the same, under the public name.
 """
@@ -77,8 +78,9 @@ def apps():
         saved = {k: os.environ.get(k) for k in ("DFLASH_API_KEY", "DFLASH_CACHE")}
         os.environ["DFLASH_API_KEY"] = API_KEY  # replicas inherit the driver's environment
         os.environ["DFLASH_CACHE"] = str(root / "cache")
-        # logical CPUs: each engine replica takes 2 (actor + placement bundle) plus a download task
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # logical CPUs: each engine replica takes 2 (actor + placement bundle) plus a download
+        # task; 3 engines, and a 4th while the hot swap surges
+        ray.init(address="local", num_cpus=10, include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base = f"http://127.0.0.1:{port}"
@@ -203,14 +205,14 @@ def _served_versions(url: str) -> list[str]:
 
 def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
     """@champion moves to version 2 while 2 clients keep sending requests: within the
-    watcher's poll the app redeploys itself, the engine replicas are replaced, /v1/models
-    names version 2 only, and requests after the swap are answered. (Requests in flight
-    during the swap: all answered in one run of two, a 500 in the other -- the
-    zero-failure goal is not met yet; the count is printed.)"""
+    watcher's poll the app redeploys itself, only the speculative engine replica is replaced
+    (the new one started before the old one stops; the ingress and the plain pool keep
+    running), /v1/models names version 2 only, and no request fails."""
     import threading
 
     url = apps["urls"]["spec"]
     assert _served_versions(url) == ["1"]
+    before = _replica_ids("spec")
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -218,7 +220,7 @@ def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
         while not stop.is_set():
             r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
                 "model": MODEL, "messages": SHORT, "max_tokens": 16, "temperature": 0})
-            statuses.append(r.status_code)
+            statuses.append(r.status_code if r.status_code == 200 else f"{r.status_code} {r.text[:300]}")
 
     threads = [threading.Thread(target=client) for _ in range(2)]
     for t in threads:
@@ -231,8 +233,18 @@ def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
         stop.set()
         for t in threads:
             t.join(600)
-    print(f"promotion under load: {statuses.count(200)} answered, {len(statuses) - statuses.count(200)} failed")
-    assert statuses.count(200) > 0
-    after = [requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
-        "model": MODEL, "messages": SHORT, "max_tokens": 8, "temperature": 0}).status_code for _ in range(3)]
-    assert after == [200, 200, 200]
+    failed = [s for s in statuses if s != 200]
+    print(f"promotion under load: {len(statuses) - len(failed)} answered, {len(failed)} failed")
+    assert statuses and not failed, failed
+    after = _replica_ids("spec")
+    changed = {name for name in before if before[name] != after.get(name)}
+    assert changed == {f"DFlashLLMServer:{MODEL}"}, (before, after)
+
+
+def _replica_ids(app: str) -> dict[str, set[str]]:
+    """The RUNNING replicas of each deployment of ``app``."""
+    from ray.serve.context import _get_global_client
+
+    deployments = _get_global_client().get_serve_details()["applications"][app]["deployments"]
+    return {name: {r["replica_id"] for r in d["replicas"] if r["state"] == "RUNNING"}
+            for name, d in deployments.items()}
