@@ -27,16 +27,14 @@ if str(ROOT) not in sys.path:
 def engines(tmp: Path):
     """(scheduled speculative engine, plain engine, prompts as token ids, B)."""
     from specdec.assets import reference_drafter_for
-    from specdec.checkpoint import load_drafter, save_drafter
     from specdec.prompts import load_prompts
     from specdec.target import load_target, resolve_target_path
+    from specdec.vllm_drafter import vllm_drafter_dir
     from specdec.vllm_engine import VLLMEngine, speculative_config
 
     target = load_target(None)
-    drafter = load_drafter(reference_drafter_for(None), target=target)
-    drafter.set_draft_vocab(None)  # vLLM drafts over the full vocabulary
-    out = save_drafter(drafter, tmp / "drafter")
-    spec = speculative_config(out)
+    # the packaged drafter in vLLM's form (its draft vocabulary as d2t + lm_head rows)
+    spec = speculative_config(vllm_drafter_dir(reference_drafter_for(None), resolve_target_path(None), tmp))
     block = spec["num_speculative_tokens"] + 1
     spec["num_speculative_tokens_per_batch_size"] = [[1, 1, block - 1], [2, 256, 0]]
     path = resolve_target_path(None)

@@ -130,8 +130,12 @@ def drafter_on_node_class():
                 self.llm_config.model_loading_config.model_source = resolve_target_path(None)
             if self.kwargs.get("source") is None:
                 return
+            from specdec.vllm_drafter import vllm_drafter_dir
+
             path, drafter_b = resolve_on_node(self.kwargs["source"])
             block = self.kwargs.get("speculation") or drafter_b
+            # a reduced draft vocabulary in the form vLLM drafts with it (derived once per node)
+            path = str(vllm_drafter_dir(path, self.llm_config.model_loading_config.model_source))
             spec = self.llm_config.engine_kwargs["speculative_config"]
             spec.update(model=path, num_speculative_tokens=int(block) - 1)
             log.info("DFlash drafter for this engine: %s (B=%d)", path, block)

@@ -59,7 +59,10 @@ def engine_kwargs(target_path: str | os.PathLike, drafter_dir: str | os.PathLike
     if not on_gpu():
         kw["enforce_eager"] = True
     if drafter_dir is not None:
-        kw["speculative_config"] = speculative_config(drafter_dir, block_size)
+        from specdec.vllm_drafter import vllm_drafter_dir
+
+        # a reduced draft vocabulary in the form vLLM drafts with it (not the full head)
+        kw["speculative_config"] = speculative_config(vllm_drafter_dir(drafter_dir, target_path), block_size)
     kw.update(extra)
     return kw
 

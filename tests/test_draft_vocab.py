@@ -119,3 +119,45 @@ def test_legacy_safetensors_vocabulary_still_loads(tiny, tmp_path):
     save_drafter(d, tmp_path / "d")  # re-saving migrates to the JSON sidecar
     assert not (tmp_path / "d" / LEGACY_VOCAB_FILE).exists()
     assert load_drafter(tmp_path / "d").draft_vocab.tolist() == [2, 4, 7]
+
+
+def test_vllm_copy_drafts_over_the_same_vocabulary(tmp_path):
+    """vLLM's form of a reduced-vocabulary drafter (specdec/vllm_drafter.py): the same
+    weights plus ``draft_vocab_size``, ``d2t`` mapping draft ids back to the sidecar's target
+    ids and ``lm_head.weight`` = those rows of the target's head; derived once, left alone for
+    a full-vocabulary drafter; the head found in a sharded target too."""
+    from safetensors.torch import save_file
+
+    from specdec.target import load_target
+    from specdec.tiny import save_tiny_target
+    from specdec.vllm_drafter import target_head, vllm_drafter_dir
+
+    target_dir = save_tiny_target(tmp_path / "target", num_layers=4, hidden_size=32)
+    t = load_target(str(target_dir))
+    d = random_drafter(t, block_size=4)
+    d.set_draft_vocab([9, 3, 5, 40000])
+    src = save_drafter(d, tmp_path / "d", dtype=torch.float16)
+    out = vllm_drafter_dir(src, target_dir, cache=tmp_path / "cache")
+    config, source_config = (json.loads((p / "config.json").read_text()) for p in (out, src))
+    assert config.pop("draft_vocab_size") == 4 and config == source_config
+    weights, source = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    ids = torch.tensor([3, 5, 9, 40000])
+    assert (weights.pop("d2t") + torch.arange(4)).tolist() == ids.tolist()
+    assert torch.equal(weights.pop("lm_head.weight"), t.lm_head.weight.detach()[ids].to(torch.float16))
+    assert weights.keys() == source.keys() and all(torch.equal(weights[k], source[k]) for k in source)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no sidecar
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert vllm_drafter_dir(src, target_dir, cache=tmp_path / "cache") == out  # derived once
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    d.set_draft_vocab(None)
+    full = save_drafter(d, tmp_path / "full")
+    assert vllm_drafter_dir(full, target_dir, cache=tmp_path / "cache") == full.resolve()
+    # a sharded target: the head found through its index
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"lm_head.weight": torch.ones(6, 2)}, str(sharded / "model-00002-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert torch.equal(target_head(sharded), torch.ones(6, 2))
+    with pytest.raises(FileNotFoundError, match="no LM head"):
+        target_head(tmp_path / "d")

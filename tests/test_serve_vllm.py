@@ -38,8 +38,7 @@ def cluster():
         for cache in (head_cache, node_cache):  # the converted target, linked (not a drafter)
             cache.mkdir()
             (cache / "smollm2-135m-instruct").symlink_to(resolve_target_path(None))
-        drafter = load_drafter(reference_drafter_for(None), target=target)
-        drafter.set_draft_vocab(None)
+        drafter = load_drafter(reference_drafter_for(None), target=target)  # its draft vocabulary kept
         save_drafter(drafter, root / "drafter", dtype=torch.float16)
         uri = f"sqlite:///{root}/mlflow.db"
         version = register_drafter(uri, NAME, root / "drafter")

@@ -70,8 +70,8 @@ def apps():
 
     with private_dir("vllm-http") as root:
         target = load_target(None)
+        # as packaged (its draft vocabulary: the engine node derives vLLM's form of it)
         drafter = load_drafter(reference_drafter_for(None), target=target)
-        drafter.set_draft_vocab(None)  # vLLM drafts over the full vocabulary
         drafter_dir = save_drafter(drafter, root / "drafter", dtype=torch.float16)
         uri = f"sqlite:///{root}/mlflow.db"
         register_drafter(uri, NAME, drafter_dir)  # version 1, @champion
@@ -131,11 +131,11 @@ def _chat(url: str, messages: list[dict]) -> dict:
             "tokens": r.json()["usage"]["completion_tokens"]}
 
 
-def _pool_busy(pool: str) -> bool:
+def _ongoing(pool: str) -> float:
     from ray import serve
 
     server = serve.get_deployment_handle(f"DFlashLLMServer:{pool}", "spec")
-    return server.record_autoscaling_stats.remote().result()[METRIC_ONGOING] > 0
+    return server.record_autoscaling_stats.remote().result()[METRIC_ONGOING]
 
 
 def test_concurrent_greedy_output_equals_plain_vllm(apps):
@@ -148,8 +148,12 @@ def test_concurrent_greedy_output_equals_plain_vllm(apps):
         for name, url in apps["urls"].items():
             running = [pool.submit(_chat, url, m) for m in prompts]
             if name == "spec":
-                wait_for(lambda: _pool_busy(f"{MODEL}--plain") and _pool_busy(MODEL), 120, interval=0.2,
-                         what="both pools serving")
+                seen: list[tuple] = []  # (speculative, plain) ongoing requests, shown on a failure
+                try:
+                    wait_for(lambda: min(seen.append((_ongoing(MODEL), _ongoing(f"{MODEL}--plain"))) or seen[-1]) > 0,
+                             120, interval=0.2, what="both pools serving")
+                except AssertionError as e:
+                    raise AssertionError(f"{e}; ongoing (speculative, plain) seen: {seen}") from None
             outs[name] = [f.result() for f in running]
     assert outs["spec"] == outs["plain"]
     finishes = [o["finish"] for o in outs["plain"]]

