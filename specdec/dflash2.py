@@ -150,7 +150,7 @@ class DFlash2Drafter(DFlashDrafter):
         """(candidate target ids (B, L, K), S (B, L, K, K)) for draft logits (B, L, V_d) at
         hidden (B, L, H) after anchor tokens (B,): S[b, l, p, c] scores candidate c after
         candidate p of l-1. ``to_target`` maps draft columns to target ids (a reduced draft
-        vocabulary, our extension: vLLM drafts over the full one)."""
+        vocabulary, our extension: vLLM's DFlash2 drafts over the full one)."""
         vals, cand = logits.topk(self.candidate_selector.top_k, dim=-1)
         cand = to_target(cand) if to_target is not None else cand
         K = cand.shape[-1]

@@ -15,7 +15,8 @@ On disk the ids live beside the published layout in ``draft_vocab.json``
 (``{"token_ids": [...]}``, sorted target ids). Not a ``.safetensors`` file on purpose:
 vLLM loads every ``*.safetensors`` in a drafter directory as weights and refuses the
 unknown tensor, so a sidecar there made our drafters unloadable in vLLM. Engines that do
-not know the file (vLLM, SGLang) draft over the full vocabulary with the target's head.
+not know the file (vLLM, SGLang) draft over the full vocabulary with the target's head;
+our vLLM paths hand vLLM its own form of the draft vocabulary (specdec/vllm_drafter.py).
 Drafters saved before carry ``draft_vocab.safetensors`` (tensor ``token_ids``), still read.
 """
 

@@ -5,9 +5,9 @@ on GPU the vLLM that ``ray[llm]`` pins.
 
 vLLM drafts with ``speculative_config = {"method": "dflash", "model": <drafter dir>,
 "num_speculative_tokens": B - 1}``; it reads our ``config.json`` and
-``model.safetensors`` as the official checkpoints and ignores ``draft_vocab.json``, so a
-reduced-vocabulary drafter drafts over the full vocabulary there (greedy output is the
-target's either way).
+``model.safetensors`` as the official checkpoints but not ``draft_vocab.json``: a drafter
+with a reduced vocabulary is handed over in vLLM's own form of it (``d2t`` + the head's rows,
+``specdec/vllm_drafter.py``), so both engines draft over the same tokens.
 
 Acceptance comes from vLLM's own counters (``vllm:spec_decode_num_drafts``,
 ``..._num_accepted_tokens_per_pos``): speculative decoding accepts a prefix, so the
