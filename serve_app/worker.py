@@ -99,6 +99,21 @@ class _Generation:
                                               lookup_block=lookup_block)
         self.drafter = drafter
         self.lookup_block = lookup_block
+        self.target, self.B = target, B
+
+    def warm_up(self) -> float:
+        """One short request through a throwaway engine, speculating, then a plain one, before
+        anything is served (seconds taken). First passes pay one-time costs (allocations,
+        kernel packing, lazy initialisation); timed by the controller they made a cold
+        replica switch speculation off for a whole short chat. Nothing here is measured."""
+        t0 = time.perf_counter()
+        prompt = list(range(1, 17))
+        if self.drafter is not None:
+            proposer = drafter_proposer(self.drafter, self.target, self.B, self.lookup_block)
+            Engine(self.target, proposer, width=self.max_block, seed=0).generate(
+                [Request(prompt, 2 * self.max_block, stop_ids=frozenset())])
+        Engine(self.target, seed=0).generate([Request(prompt, 2, stop_ids=frozenset())])
+        return time.perf_counter() - t0
 
 
 class EngineWorker:
@@ -115,6 +130,7 @@ class EngineWorker:
         self._gens: list[_Generation] = [_Generation(target, drafter, drafter_version, mode, CostModel(), seed,
                                                      lookup_block)]
         self.metrics.set_max_block(self._gens[0].max_block)
+        log.info("engine warmed up in %.1f s", self._gens[0].warm_up())
         self._live: dict[int, tuple[Stream, _Generation]] = {}  # id(request) -> owner
         self._cond = threading.Condition()
         self._waiting: deque[Stream] = deque()

@@ -371,6 +371,29 @@ def test_worker_batches_concurrent_requests_exactly(tiny):
         assert max(rows) > 1 and max(rows) <= 4  # shared verify passes, capped at max_batch_size
 
 
+def test_worker_warms_its_engine_up_without_measuring_it(tiny):
+    """Before the first request the drafter and the target have both run (the first passes'
+    one-time costs are paid), yet the controller's cost model and the metrics saw nothing."""
+    from specdec.checkpoint import load_drafter
+    from serve_app.worker import EngineWorker
+
+    root, target = tiny
+    drafter = load_drafter(make_drafter(target, root / "d-warm"), target=target)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in (drafter, target.model)]
+    worker = EngineWorker(target, drafter, "1", mode="auto", max_batch_size=4)
+    try:
+        for h in hooks:
+            h.remove()
+        assert len(calls) >= 3  # a drafter pass and target passes ran
+        cost = worker._gens[0].controller.cost
+        assert cost.verify.s0 == 0 and cost.draft.s0 == 0  # no cycle timed
+        snap = worker.metrics.snapshot()
+        assert snap["generated_tokens_total"] == 0 and not snap["accepted_length"]["count"]
+    finally:
+        worker.stop()
+
+
 def test_worker_with_prompt_lookup_runs_the_hybrid_proposer_exactly(tiny):
     from specdec.checkpoint import load_drafter
     from specdec.engine import Request
