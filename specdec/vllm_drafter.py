@@ -51,6 +51,12 @@ def vllm_drafter_dir(drafter_dir: str | os.PathLike, target_path: str | os.PathL
     dst = Path(cache) / _key(src, target_path)
     if (dst / WEIGHTS_FILE).is_file():
         return dst
+    try:
+        head = target_head(target_path)
+    except (OSError, ValueError, ImportError) as e:  # e.g. a model vLLM itself fetches from a bucket
+        log.warning("drafter %s: the target's head is not readable here (%s); vLLM drafts over the full "
+                    "vocabulary", src, e)
+        return src
     tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -58,7 +64,7 @@ def vllm_drafter_dir(drafter_dir: str | os.PathLike, target_path: str | os.PathL
     config["draft_vocab_size"] = int(ids.numel())
     weights = load_file(str(src / WEIGHTS_FILE))
     dtype = next(iter(weights.values())).dtype
-    weights["lm_head.weight"] = target_head(target_path)[ids].to(dtype).contiguous()
+    weights["lm_head.weight"] = head[ids].to(dtype).contiguous()
     weights["d2t"] = (ids - torch.arange(ids.numel())).to(torch.int64)
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))

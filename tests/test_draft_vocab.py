@@ -152,6 +152,10 @@ def test_vllm_copy_drafts_over_the_same_vocabulary(tmp_path):
     d.set_draft_vocab(None)
     full = save_drafter(d, tmp_path / "full")
     assert vllm_drafter_dir(full, target_dir, cache=tmp_path / "cache") == full.resolve()
+    # a target whose head cannot be read here (not a local directory, nothing cached): as it is
+    d.set_draft_vocab([3, 5])
+    other = save_drafter(d, tmp_path / "other")
+    assert vllm_drafter_dir(other, tmp_path / "no-such-target", cache=tmp_path / "cache") == other.resolve()
     # a sharded target: the head found through its index
     sharded = tmp_path / "sharded"
     sharded.mkdir()
