@@ -655,6 +655,36 @@ def test_pinned_versions_restart_only_what_a_rebuild_changed():
     assert all(fresh[name] != v1[name] for name in v1)
 
 
+def test_watcher_redeploys_its_own_app_but_leaves_a_config_owned_one(monkeypatch, caplog):
+    """A moved alias: an app deployed from Python is deployed again under its own name and
+    route prefix, rebuilt with the watcher's salt; an app a Serve config file owns (serve
+    deploy, a RayService) is left to that config, said once in the log."""
+    from types import SimpleNamespace as NS
+
+    import ray.serve
+    import ray.serve.context
+
+    import serve_app.vllm_app as vllm_app
+    from serve_app.vllm_swap import ChampionWatcher
+
+    details = {"route_prefix": "/spec", "deployed_app_config": None}
+    runs, builds = [], []
+    client = NS(get_serve_details=lambda: {"applications": {"spec": details}})
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: client)
+    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: NS(app_name="spec"))
+    monkeypatch.setattr(ray.serve, "run", lambda app, name, route_prefix: runs.append((app, name, route_prefix)))
+    monkeypatch.setattr(vllm_app, "build_vllm_app", lambda cfg, salt: builds.append((cfg, salt)) or "APP")
+    watcher = ChampionWatcher({"backend": "vllm", "drafter": "models:/d@champion"}, "models:/d@champion",
+                              "sqlite:///r.db", "1", 5, "s1")
+    assert watcher.redeploy("2") and watcher.version == "2"
+    assert runs == [("APP", "spec", "/spec")] and builds[0][1] == "s1" and builds[0][0].backend == "vllm"
+    details["deployed_app_config"] = {"import_path": "serve_app:build_app"}
+    with caplog.at_level("ERROR", logger="serve_app.vllm_swap"):
+        assert not watcher.redeploy("3")
+    assert watcher.version == "3" and len(runs) == 1  # not redeployed, and not said again next poll
+    assert "deployed from a Serve config file" in caplog.text
+
+
 def test_pool_router_speculates_up_to_the_bound_and_renames():
     """Requests speculate while fewer than the bound do; the rest decode plain until a
     speculating one ends; responses of the plain pool carry the public name in every shape
