@@ -88,12 +88,14 @@ def _key(src: Path, target_path: str | os.PathLike) -> str:
 def target_head(target_path: str | os.PathLike) -> torch.Tensor:
     """The target's LM head (V, H) read from its safetensors, no model built: ``lm_head.weight``,
     or the input embedding where the head is tied to it. ``target_path``: a local Hugging
-    Face directory or a hub id already in the local cache."""
+    Face directory or a hub id already in the local cache (never downloaded here)."""
     root = Path(target_path)
     if not root.is_dir():
         from huggingface_hub import snapshot_download
 
-        root = Path(snapshot_download(str(target_path), allow_patterns=["*.json", "*.safetensors"]))
+        # the local cache only: nothing is downloaded at run time (FileNotFoundError if absent)
+        root = Path(snapshot_download(str(target_path), allow_patterns=["*.json", "*.safetensors"],
+                                      local_files_only=True))
     index = root / "model.safetensors.index.json"
     files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     names = ["lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"]
