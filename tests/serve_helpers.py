@@ -110,6 +110,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.25, what: str = "con
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
+#: app settings under which the policy acts within seconds: 1 to 2 replicas, 1 ongoing
+#: request per replica as the target, no API key
+FAST_SCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
+                "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5, "metrics_push_s": 0.5,
+                "api_key_env": "DFLASH_TEST_NO_KEY"}
+
+
+def replica_states(app: str, deployment: str) -> dict[str, int]:
+    """``{state: count}`` of a deployment's replicas (states with none left out)."""
+    from ray import serve
+
+    states = serve.status().applications[app].deployments[deployment].replica_states
+    return {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+
 
 def load_until(send, condition, clients: int, timeout: float, interval: float, what: str) -> tuple[list, float]:
     """Run ``clients`` threads calling ``send()`` (a response) in a loop until ``condition()``

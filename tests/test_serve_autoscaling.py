@@ -20,8 +20,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from serve_app.autoscaling import (POLICY_PATH, AcceptanceAwarePolicy, ReplicaLoad, autoscaling_config_dict,
                                    desired_replicas)
 from serve_app.config import load_config
-from serve_helpers import (FAST_METRICS, free_port, load, load_until, make_drafter, private_dir, restore_env,
-                           tiny_target_dir, wait_for)
+from serve_helpers import (FAST_METRICS, FAST_SCALING, free_port, load, load_until, make_drafter, private_dir,
+                           replica_states, restore_env, tiny_target_dir, wait_for)
 
 DEP = DeploymentID(name="DFlashReplica", app_name="dflash")
 
@@ -95,13 +95,8 @@ def _scaling_app(root):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     from serve_app import build_app
 
-    serve.run(build_app({
-        "target": str(target_dir), "model_name": "tiny", "drafter": str(drafter_dir), "min_replicas": 1,
-        "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 2,
-        "look_back_period_s": 2, "metrics_interval_s": 0.5, "max_batch_size": 4, "max_tokens_limit": 400,
-        "metrics_push_s": 0.5,
-        "api_key_env": "DFLASH_TEST_NO_KEY",
-    }), name=APP, route_prefix="/")
+    serve.run(build_app({"target": str(target_dir), "model_name": "tiny", "drafter": str(drafter_dir),
+                         "max_batch_size": 4, "max_tokens_limit": 400, **FAST_SCALING}), name=APP, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -111,8 +106,7 @@ def _scaling_app(root):
 
 
 def _replicas() -> dict:
-    states = serve.status().applications[APP].deployments["DFlashReplica"].replica_states
-    return {str(getattr(k, "value", k)): v for k, v in states.items()}
+    return replica_states(APP, "DFlashReplica")
 
 
 def test_short_load_scales_up_and_idle_scales_down(scaling_app):

@@ -10,7 +10,8 @@ import time
 import pytest
 import requests
 
-from serve_helpers import FAST_METRICS, free_port, load_until, private_dir, restore_env, wait_for
+from serve_helpers import (FAST_METRICS, FAST_SCALING, free_port, load_until, private_dir, replica_states,
+                           restore_env, wait_for)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
@@ -35,11 +36,8 @@ def scaling_app():
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
-            serve.run(build_app({
-                "backend": "vllm", "drafter": "none", "vllm_engine_kwargs": {"max_model_len": 1024},
-                "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0,
-                "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5, "metrics_push_s": 0.5,
-                "api_key_env": "DFLASH_TEST_NO_KEY"}), name=APP, route_prefix="/")
+            serve.run(build_app({"backend": "vllm", "drafter": "none", "vllm_engine_kwargs": {"max_model_len": 1024},
+                                 **FAST_SCALING}), name=APP, route_prefix="/")
             yield f"http://127.0.0.1:{port}"
         finally:
             serve.shutdown()
@@ -48,10 +46,7 @@ def scaling_app():
 
 
 def _replicas() -> dict:
-    from ray import serve
-
-    states = serve.status().applications[APP].deployments[DEPLOYMENT].replica_states
-    return {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+    return replica_states(APP, DEPLOYMENT)
 
 
 def test_sustained_load_adds_an_engine_replica_and_idle_removes_it(scaling_app):
