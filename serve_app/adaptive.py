@@ -18,6 +18,14 @@ sides are measured online:
 replica decodes at AR speed. While off, a cheap probe cycle runs now and then so that
 acceptance keeps being measured; probes are spaced so that they cost at most
 ``probe_budget`` of throughput.
+
+Timings on a shared machine have hiccups (a GC pause, a neighbour's burst, a cold first
+pass), and that noise only ever adds time. Three rules keep one of them from switching
+speculation off for long: a pass slower than ``clip`` times what the fit predicts counts as
+``clip`` times the prediction; a pass twice as fast as predicted cuts the weight of the past
+(it was slow); and while the drafter's cost rests on fewer passes than its fit needs to
+clip, or its acceptance on fewer than ``min_evidence`` attempts, probes come every
+``PROBE_LO`` cycles, so an early verdict of "off" is re-examined soon.
 """
 
 from __future__ import annotations
@@ -104,6 +112,9 @@ class LinearCost:
     slope_ratio: float = VERIFY_SLOPE_PRIOR
     decay: float = 0.98
     ridge: float = 0.02
+    clip: float = 3.0  # a pass counts as at most clip x the prediction once the fit holds min_weight
+    min_weight: float = 3.0
+    forget: float = 0.25  # the past's weight after a pass twice as fast as the fit predicted
     s0: float = 0.0  # sum w
     s1: float = 0.0  # sum w n
     s2: float = 0.0  # sum w n^2
@@ -112,6 +123,12 @@ class LinearCost:
 
     def observe(self, n: int, seconds: float) -> None:
         d = self.decay
+        if self.fitted:
+            pred = max(self.predict(n), 1e-9)
+            if self.s0 >= self.min_weight:  # a hiccup moves the fit by a bounded step, a lasting change by many
+                seconds = min(seconds, self.clip * pred)
+            if seconds * 2.0 < pred:  # noise only ever adds time: a pass twice as fast says the past was slow
+                d *= self.forget
         self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + n, d * self.s2 + n * n
         self.sy, self.sny = d * self.sy + seconds, d * self.sny + n * seconds
 
@@ -182,8 +199,12 @@ def choose_block_size(survival: list[float], cost: CostModel, rows: int, max_blo
     return best_k, best_rate / ar_rate
 
 
+#: Probes between AR cycles: the fewest cycles apart, and the most.
+PROBE_LO, PROBE_HI = 8, 400
+
+
 def probe_interval(cost: CostModel, rows: int, probe_k: int, budget: float,
-                   lo: int = 8, hi: int = 400) -> int:
+                   lo: int = PROBE_LO, hi: int = PROBE_HI) -> int:
     """Cycles between probes so that a probe's extra cost is ``budget`` of AR throughput
     (a probe commits at least one token, like the AR step it replaces)."""
     ar = cost.cycle_seconds(max(rows, 1), 1)
@@ -200,7 +221,8 @@ class BlockSizeController:
     """
 
     def __init__(self, max_block: int, mode: str | int = "auto", cost: CostModel | None = None,
-                 margin: float = 0.03, probe_budget: float = 0.01, probe_block: int = 4, lookup_block: int = 0):
+                 margin: float = 0.03, probe_budget: float = 0.01, probe_block: int = 4, lookup_block: int = 0,
+                 min_evidence: float = 8.0):
         self.max_block = max(1, int(max_block))
         # prompt lookup beside the drafter: its own acceptance, its own block (1: off)
         self.lookup_block = lookup_block if lookup_block > 1 and self.max_block > 1 else 1
@@ -214,6 +236,7 @@ class BlockSizeController:
         self.margin = margin
         self.probe_budget = probe_budget
         self.probe_block = max(2, min(probe_block, self.max_block))
+        self.min_evidence = min_evidence
         self.expected_speedup = 1.0
         self._since_probe = 0
 
@@ -229,11 +252,17 @@ class BlockSizeController:
             self._since_probe = 0
             return k
         self._since_probe += 1
-        if self._since_probe >= probe_interval(self.cost, rows, self.probe_block, self.probe_budget):
+        if self._since_probe >= self._probe_interval(rows):
             self._since_probe = 0
             self._probing = True
             return self.probe_block
         return 1
+
+    def _probe_interval(self, rows: int) -> int:
+        """The budgeted spacing, or the shortest while the drafter's cost or acceptance is thin."""
+        draft = self.cost.draft
+        thin = draft.s0 < draft.min_weight or self.acceptance.attempts[0] < self.min_evidence
+        return PROBE_LO if thin else probe_interval(self.cost, rows, self.probe_block, self.probe_budget)
 
     @property
     def match_rate(self) -> float:

@@ -99,6 +99,29 @@ def test_controller_in_simulation_never_loses_to_ar_and_finds_the_best_block(acc
     assert realised >= 0.95 * best
 
 
+@pytest.mark.parametrize("slow,factor", [({0}, 40.0), ({30}, 40.0), ({0, 1, 2, 3}, 3.0), ({0, 1}, 10.0)])
+def test_one_timing_hiccup_does_not_switch_speculation_off_for_long(slow, factor):
+    """A cold start (the first cycles ``factor`` x slower) or a pause mid-chat must not keep a
+    good drafter off: the chat the demo serves is ~40 cycles long."""
+    rnd = random.Random(1)
+    verify = lambda n: 0.011 + 0.0003 * n  # noqa: E731  (the demo's tiny target on CPU)
+    draft = lambda n: 0.002 + 0.0001 * n  # noqa: E731
+    ctl = BlockSizeController(4)  # the demo's drafter: block 4, tau ~1.9
+    ks = []
+    for i in range(120):
+        k = ctl.choose(1)
+        ks.append(k)
+        acc = [0]
+        while acc[0] < k - 1 and rnd.random() < 0.5:
+            acc[0] += 1
+        f = factor if i in slow else 1.0
+        ctl.observe(1, k, acc, f * draft(4) if k > 1 else 0.0, f * verify(k))
+    after = max(slow) + 1
+    assert sum(k > 1 for k in ks[after:after + 40]) >= 20, ks  # back on within a few probes
+    assert all(k > 1 for k in ks[after + 40:]), ks
+    assert ctl.cost.cycle_seconds(1, 4) == pytest.approx(verify(4) + draft(4), rel=0.3)  # hiccup forgotten
+
+
 def test_draft_cost_is_the_whole_blocks_whatever_k_is_verified():
     """The drafter always denoises its B positions: draft seconds that depend on rows only
     are predicted as such at every k (a fit over rows * k would call k=2 cheap, k=B dear)."""
