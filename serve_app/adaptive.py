@@ -258,6 +258,11 @@ class BlockSizeController:
             return self.probe_block
         return 1
 
+    @property
+    def probing(self) -> bool:
+        """Whether the last ``choose`` returned a probe (a block run to measure, not chosen)."""
+        return self._probing
+
     def _probe_interval(self, rows: int) -> int:
         """The budgeted spacing, or the shortest while the drafter's cost or acceptance is thin."""
         draft = self.cost.draft

@@ -20,7 +20,7 @@ from pipelines.registry import find_drafter_dir, is_registry_uri, parse_models_u
 if TYPE_CHECKING:
     from serve_app.config import ServeConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve.dflash.registry")  # a child of Serve's logger: the replica log file
 
 LOCAL_VERSION = "local"  # the version label of a drafter directory
 REFERENCE_VERSION = "reference"  # the version label of the packaged reference drafter

@@ -28,7 +28,10 @@ from specdec.proposers import HybridProposer, drafter_proposer, engine_width
 from serve_app.adaptive import BlockSizeController, CostModel
 from serve_app.metrics import ReplicaMetrics
 
-log = logging.getLogger(__name__)
+# a child of Serve's own logger: in a replica its lines land in the replica's log file
+log = logging.getLogger("ray.serve.dflash.worker")
+#: Seconds between two "speculation on/off" lines of one engine (flips in between are counted).
+SPECULATION_LOG_S = 30.0
 
 
 def plan_admissions(lengths: list[int], room: int, budget: int) -> list[int]:
@@ -100,6 +103,25 @@ class _Generation:
         self.drafter = drafter
         self.lookup_block = lookup_block
         self.target, self.B = target, B
+        self.speculating: bool | None = None  # the controller's last verdict (probes aside)
+        self.flips, self.logged_at = 0, -SPECULATION_LOG_S
+
+    def note(self, rows: int, k: int) -> None:
+        """Log when the controller's verdict turns speculation on or off (at most one line
+        per ``SPECULATION_LOG_S``): why a replica stopped speculating is then in its log."""
+        on = k > 1 and not self.controller.probing
+        if self.drafter is None or on == self.speculating:
+            return
+        self.speculating, self.flips = on, self.flips + 1
+        now = time.monotonic()
+        if now - self.logged_at < SPECULATION_LOG_S:
+            return
+        c = self.controller
+        extra = f"; {self.flips - 1} switches since the last line" if self.flips > 1 else ""
+        log.info("speculation %s at %d rows (drafter version %s): block %d, expected %.2fx AR, tau(B) %.2f%s",
+                 "on" if on else "off", rows, self.version or "-", k, c.expected_speedup, c.acceptance.tau(self.B),
+                 extra)
+        self.flips, self.logged_at = 0, now
 
     def warm_up(self) -> float:
         """One short request through a throwaway engine, speculating, then a plain one, before
@@ -290,6 +312,7 @@ class EngineWorker:
     def _step(self, gen: _Generation) -> None:
         rows = list(gen.engine.rows)
         k = gen.controller.choose(len(rows))
+        gen.note(len(rows), k)
         hybrid = isinstance(gen.proposer, HybridProposer)
         if hybrid:  # each source drafts what the controller measured it worth
             k_look = gen.controller.choose_lookup(len(rows), k)

@@ -417,6 +417,40 @@ def test_worker_warms_its_engine_up_without_measuring_it(tiny):
         worker.stop()
 
 
+def test_engine_logs_when_speculation_turns_off_and_on_at_most_once_per_interval(tiny, monkeypatch):
+    """Why a replica stopped speculating is in its log: one line per verdict change (probes
+    aside), flips inside ``SPECULATION_LOG_S`` counted in the next line."""
+    import logging
+
+    from specdec.checkpoint import load_drafter
+    from serve_app import worker as W
+
+    root, target = tiny
+    gen = W._Generation(target, load_drafter(make_drafter(target, root / "d-log"), target=target), "3", "auto",
+                        CostModel(), seed=0)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    W.log.addHandler(handler)
+    clock = [100.0]
+    monkeypatch.setattr(W.time, "monotonic", lambda: clock[0])
+    try:
+        gen.note(1, 4)  # first verdict: on
+        gen.note(1, 4)  # unchanged: silent
+        clock[0] += 1
+        gen.note(8, 1)  # off within the interval: counted, not logged
+        gen.note(8, 4)
+        gen.note(8, 1)
+        clock[0] += W.SPECULATION_LOG_S
+        gen.note(8, 1)  # unchanged
+        gen.note(2, 4)
+    finally:
+        W.log.removeHandler(handler)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("speculation on at 1 rows (drafter version 3): block 4")
+    assert lines[1].startswith("speculation on at 2 rows") and "3 switches since the last line" in lines[1]
+
+
 def test_worker_with_prompt_lookup_runs_the_hybrid_proposer_exactly(tiny):
     from specdec.checkpoint import load_drafter
     from specdec.engine import Request
