@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.stack import load_state
 from harness import demo as D
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +114,11 @@ class TestDemo:
             assert res["tokens"] == 2 * 16 and res["tokens_per_s"] > 0
             assert set(res["ms_per_token"]) == {"prefill", "draft", "verify", "overhead"}
         spec = s["results"]["speculative"]
-        assert s["results"]["speedup"] > 0 and (spec["tau"] or 0) > 1.3, (spec, s["serving"])  # it speculated
+        ray_tmp = Path(load_state(demo["out"] / "stack")["ray"]["temp_dir"])  # the engine's verdicts, from its log
+        why = [line for f in ray_tmp.glob("session_*/logs/serve/replica_dflash_DFlashReplica_*.log")
+               for line in f.read_text().splitlines() if "speculation o" in line]
+        assert s["results"]["speedup"] > 0 and (spec["tau"] or 0) > 1.3, (spec, why)  # it speculated
+        assert why and "speculation on at 1 rows" in why[0], why
         assert s["results"]["ar"]["cycles"] > 0 and not s["results"]["ar"]["draft_tokens"]
         assert (demo["out"] / "summary.png").stat().st_size > 10_000
         assert s["stack"]["mlflow"].startswith("http://127.0.0.1:")
