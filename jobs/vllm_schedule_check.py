@@ -32,12 +32,11 @@ def engines(tmp: Path):
     from specdec.vllm_drafter import vllm_drafter_dir
     from specdec.vllm_engine import VLLMEngine, speculative_config
 
-    target = load_target(None)
+    target, path = load_target(None), resolve_target_path(None)
     # the packaged drafter in vLLM's form (its draft vocabulary as d2t + lm_head rows)
-    spec = speculative_config(vllm_drafter_dir(reference_drafter_for(None), resolve_target_path(None), tmp))
+    spec = speculative_config(vllm_drafter_dir(reference_drafter_for(None), path, tmp))
     block = spec["num_speculative_tokens"] + 1
     spec["num_speculative_tokens_per_batch_size"] = [[1, 1, block - 1], [2, 256, 0]]
-    path = resolve_target_path(None)
     # the plain engine first: each engine re-registers vLLM's metrics in this process's registry,
     # so only the last one started has its draft counters readable
     plain = VLLMEngine(path, None, max_model_len=2048)

@@ -114,7 +114,8 @@ class LinearCost:
     ridge: float = 0.02
     clip: float = 3.0  # a pass counts as at most clip x the prediction once the fit holds min_weight
     min_weight: float = 3.0
-    forget: float = 0.25  # the past's weight after a pass twice as fast as the fit predicted
+    fast: float = 2.0  # a pass this many times faster than predicted says the past was slow ...
+    forget: float = 0.25  # ... and leaves the past this share of its weight
     s0: float = 0.0  # sum w
     s1: float = 0.0  # sum w n
     s2: float = 0.0  # sum w n^2
@@ -127,7 +128,7 @@ class LinearCost:
             pred = max(self.predict(n), 1e-9)
             if self.s0 >= self.min_weight:  # a hiccup moves the fit by a bounded step, a lasting change by many
                 seconds = min(seconds, self.clip * pred)
-            if seconds * 2.0 < pred:  # noise only ever adds time: a pass twice as fast says the past was slow
+            if seconds * self.fast < pred:  # noise only ever adds time: the past was slow
                 d *= self.forget
         self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + n, d * self.s2 + n * n
         self.sy, self.sny = d * self.sy + seconds, d * self.sny + n * seconds

@@ -40,7 +40,7 @@ def load_embed_and_head(name_or_path: str | None = None, dtype: torch.dtype | st
     tied = head is None or head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False))
     if head is not None and not tied:
         want[f"{names[id(head)]}.weight"] = head
-    tensors = _read_tensors(path, list(want))
+    tensors = read_tensors(path, list(want))
     if tensors is None:
         full = load_target(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         full._identity = identity or full._identity
@@ -67,7 +67,7 @@ def _meta_model(name_or_path: str | None, dtype: torch.dtype, trust_remote_code:
     return path, model
 
 
-def _read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor] | None:
+def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor] | None:
     """The named tensors from a (possibly sharded) safetensors directory, or None if any
     is missing."""
     from safetensors import safe_open
@@ -126,7 +126,7 @@ def materialize(target: Target, modules: list[nn.Module]) -> None:
     names = {id(m): n for n, m in target.model.named_modules()}
     want = {f"{names[id(m)]}.{n}": (m, n) for m in modules for n, p in m.named_parameters(recurse=True)
             if p.is_meta}
-    tensors = _read_tensors(target.source_path, list(want)) if want else {}
+    tensors = read_tensors(target.source_path, list(want)) if want else {}
     if tensors is None:
         raise FileNotFoundError(f"{target.source_path}: missing tensors {sorted(want)[:3]}...")
     for key, (module, name) in want.items():

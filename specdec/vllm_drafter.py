@@ -26,11 +26,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specdec.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from specdec.draft_vocab import load_vocab
+from specdec.frozen import read_tensors
 
 log = logging.getLogger("specdec.vllm_drafter")
 
@@ -53,7 +53,7 @@ def vllm_drafter_dir(drafter_dir: str | os.PathLike, target_path: str | os.PathL
         return dst
     try:
         head = target_head(target_path)
-    except (OSError, ValueError, ImportError) as e:  # e.g. a model vLLM itself fetches from a bucket
+    except (OSError, ValueError) as e:  # a hub id or a bucket: vLLM fetches the target itself
         log.warning("drafter %s: the target's head is not readable here (%s); vLLM drafts over the full "
                     "vocabulary", src, e)
         return src
@@ -87,23 +87,13 @@ def _key(src: Path, target_path: str | os.PathLike) -> str:
 
 def target_head(target_path: str | os.PathLike) -> torch.Tensor:
     """The target's LM head (V, H) read from its safetensors, no model built: ``lm_head.weight``,
-    or the input embedding where the head is tied to it. ``target_path``: a local Hugging
-    Face directory or a hub id already in the local cache (never downloaded here)."""
+    or the input embedding where the head is tied to it. ``target_path``: a local directory
+    (a hub id is vLLM's to fetch; nothing is downloaded here)."""
     root = Path(target_path)
     if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        # the local cache only: nothing is downloaded at run time (FileNotFoundError if absent)
-        root = Path(snapshot_download(str(target_path), allow_patterns=["*.json", "*.safetensors"],
-                                      local_files_only=True))
-    index = root / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        raise FileNotFoundError(f"{target_path}: not a local directory")
     names = ["lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"]
     for name in names:
-        file = (files or {}).get(name, "model.safetensors" if files is None else None)
-        if file is None or not (root / file).is_file():
-            continue
-        with safe_open(str(root / file), framework="pt") as f:
-            if name in f.keys():
-                return f.get_tensor(name)
+        if (found := read_tensors(root, [name])) is not None:
+            return found[name]
     raise FileNotFoundError(f"{root}: no LM head or input embedding ({', '.join(names)}) in its safetensors")
