@@ -13,7 +13,7 @@ STAMP     := $(VENV)/.installed
 ASSETS    := $(VENV)/.assets
 PYTEST_ARGS ?=
 
-.PHONY: setup vllm assets test test-fast demo demo-stop bench bench-train clean-cache lint
+.PHONY: setup vllm assets test test-quick demo demo-stop bench bench-train clean-cache lint
 
 setup: $(STAMP)
 
@@ -44,12 +44,14 @@ $(ASSETS): $(STAMP)
 	$(BIN)/python -m specdec.assets --prepare
 	@touch $(ASSETS)
 
-# one pytest process per module (Ray/Serve/MLflow state stays inside its module)
+# the suite in 2 lanes, a process per module (the unit tier shares one), each module's seconds
+# and the total against the 25-minute budget at the end (docs/testing.md)
 test: setup assets
 	$(BIN)/python tools/run_tests.py $(PYTEST_ARGS)
 
-test-fast: setup assets
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+# the unit tier alone (no Ray, no servers): a few minutes, while developing
+test-quick: setup assets
+	$(BIN)/python tools/run_tests.py --quick $(PYTEST_ARGS)
 
 # the whole life of a drafter; the served apps keep running until `make demo-stop`
 demo: setup assets

@@ -153,6 +153,19 @@ def refusal(body, speculative: bool) -> str | None:
     return None
 
 
+def refusal_message(name: str) -> str:
+    """The 400's message for a request parameter speculation cannot honour exactly."""
+    return (f"'{name}' is not supported by this server: speculative decoding verifies drafts "
+            "against the target model's own distribution, which it would change.")
+
+
+def served_drafters(snaps: dict) -> list[dict]:
+    """The drafter(s) the engine replicas serve now (source, version), from their metrics snapshots."""
+    served = sorted({(s["drafter"]["source"], s["drafter"]["version"]) for s in snaps.values()
+                     if s["drafter"]["source"]})
+    return [{"source": src, "version": v} for src, v in served]
+
+
 def checked_ingress_class():
     """Ray Serve LLM's OpenAI ingress with our API-key guard and refusals."""
     from fastapi import Request
@@ -191,6 +204,10 @@ def checked_ingress_class():
                                                             raw_request=raw_request):
                     yield rename_model(response, pool, router.public) if pool != router.public else response
 
+        def pool_counts(self) -> dict | None:
+            """This replica's routing: requests in flight and served per pool (None: one pool)."""
+            return self._router.counts() if self._router is not None else None
+
         def _set_asgi_app(self, asgi_app) -> None:
             # Serve installs the replica's copy of the FastAPI app here: the key check goes
             # in front of all of it (the inherited embeddings, score, audio, tokenize and
@@ -206,10 +223,7 @@ def checked_ingress_class():
         def _check(self, body) -> None:
             name = refusal(body, self._speculative)
             if name:
-                raise OpenAIHTTPException(
-                    status_code=400, type="invalid_request_error",
-                    message=f"'{name}' is not supported by this server: speculative decoding verifies drafts "
-                            "against the target model's own distribution, which it would change.")
+                raise OpenAIHTTPException(status_code=400, type="invalid_request_error", message=refusal_message(name))
 
         async def models(self):
             """Ray Serve LLM's model list, each card's ``metadata.drafter`` the drafter(s) the
@@ -217,11 +231,9 @@ def checked_ingress_class():
             listing = await super().models()
             if self._router is not None:  # the plain pool is an implementation detail
                 listing.data = [card for card in listing.data if card.id != self._router.plain]
-            snaps = await self._hub.collect.remote() if self._hub is not None else {}
-            served = sorted({(s["drafter"]["source"], s["drafter"]["version"]) for s in snaps.values()
-                             if s["drafter"]["source"]})
+            drafters = served_drafters(await self._hub.collect.remote() if self._hub is not None else {})
             for card in listing.data:
-                card.metadata["drafter"] = [{"source": src, "version": v} for src, v in served]
+                card.metadata["drafter"] = drafters
             return listing
 
         async def completions(self, body: CompletionRequest, request: Request):

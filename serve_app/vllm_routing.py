@@ -36,6 +36,10 @@ class PoolRouter:
     def pick(self) -> str:
         return self.public if self.inflight[self.public] < self.max_speculating else self.plain
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Requests in flight and served so far, per pool."""
+        return {"inflight": dict(self.inflight), "served": dict(self.served)}
+
     @contextlib.contextmanager
     def serving(self, pool: str) -> Iterator[None]:
         """Counts the request as in flight in ``pool`` until its response ends or is dropped."""

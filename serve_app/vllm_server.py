@@ -147,6 +147,18 @@ def dflash_llm_server_class():
             self._read()
             return self._stats.autoscaling()
 
+        def __del__(self):
+            # Serve calls this when it stops the replica (scale-down, redeploy): its snapshot
+            # leaves /metrics now rather than when the hub's entry expires
+            pusher = getattr(self, "_pusher", None)
+            if pusher is not None:
+                pusher.cancel()
+            if getattr(self, "_hub", None) is not None:
+                try:
+                    self._hub.forget.remote(self._replica_id)
+                except Exception:  # the app going down with its hub
+                    pass
+
     return DFlashLLMServer
 
 

@@ -46,3 +46,17 @@ def target(target_dir):
     from specdec.target import load_target
 
     return load_target(str(target_dir))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unit_modules_start_no_ray(request):
+    """Modules marked ``pytest.mark.unit`` share one process (tools/run_tests.py): one that
+    leaves Ray running there would hand its cluster to the next. Fail it by name instead."""
+    yield
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import sys
+
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), \
+        f"{request.node.name} is marked unit but started Ray: remove the mark (it needs a process of its own)"

@@ -20,6 +20,8 @@ from specdec.drafter import DFlashDrafter, drafter_config_for_target
 from specdec.target import load_target
 from specdec.tiny import save_tiny_target
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {"method", "tokens_per_s", "speedup_vs_ar", "tau_mean", "tau_hist", "draft_s", "verify_s", "overhead_s",
                "decode_tokens_per_s"}

@@ -136,7 +136,7 @@ import accelerate, mlflow, ray, torch  # code pages (~0.8 GB) come before the ba
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from pipelines.train.config import load_train_recipe
 from pipelines.train.plan import prepare
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 base = rss()
 open("/proc/self/clear_refs", "w").write("5")

@@ -13,6 +13,8 @@ from specdec.proposers import DFlashProposer
 from specdec.target import default_target_layer_ids
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 PUBLISHED_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{name}"
     for i in range(2)

@@ -437,8 +437,9 @@ print("WORKER", *ray.get(probe.remote(os.environ["DFLASH_STORAGE"] + "/smoke/{ta
     def test_job_submit_tiny_training(self, stack):
         """`ray job submit` of the training job, tiny: a random 6-layer target, features
         computed online, 2 steps. Sequences come from the stack's S3, checkpoints and the
-        exported drafter go there, and the drafter is registered in the stack's MLflow --
-        all from the settings the head passes to its jobs."""
+        exported drafter go there, and the drafter is registered through the stack's MLflow
+        server (artifacts proxied by it, lineage tags, the held-out tau logged live) -- all
+        from the settings the head passes to its jobs. The job's log has one line per eval."""
         if stack["tiny"] is None:
             pytest.fail("jobs/train_drafter.py is not in the repo")
         env, (target, seqs) = stack["env"], stack["tiny"]
@@ -446,7 +447,8 @@ print("WORKER", *ray.get(probe.remote(os.environ["DFLASH_STORAGE"] + "/smoke/{ta
         fs.put(str(seqs), f"{bucket}/smoke/sequences.jsonl")
         sets = [f"features.target.model={target}", "train.online=true",
                 f"train.sequences=s3://{bucket}/smoke/sequences.jsonl", f"train.storage_path=s3://{bucket}/train",
-                f"train.run_name=smoke-{tag}", "train.max_steps=2", "train.num_workers=1", "train.batch_size=2",
+                f"train.run_name=smoke-{tag}", "train.max_steps=2", "train.eval_every=2", "train.num_workers=1",
+                "train.batch_size=2",
                 "train.num_anchors=4", "train.eval_samples=2", "drafter.block_size=4", "drafter.layer_ids=[1,3,4]"]
         argv = ["python", "jobs/train_drafter.py", "--config", "configs/smollm2-135m.yaml"]
         for item in sets:
@@ -459,6 +461,16 @@ print("WORKER", *ray.get(probe.remote(os.environ["DFLASH_STORAGE"] + "/smoke/{ta
         url = f"{env['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/model-versions/get?name={name}&version={version}"
         with urllib.request.urlopen(url, timeout=10) as resp:
             assert json.loads(resp.read())["model_version"]["name"] == name
+        assert "[eval] step 2 " in out and "Reporting training result" not in out  # one line, no metrics dicts
+        from mlflow import MlflowClient
+
+        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+        mv = client.get_model_version(name, version)
+        assert mv.source.startswith("mlflow-artifacts:")  # uploaded through the server
+        assert mv.tags["checkpoint"].startswith(f"s3://{bucket}/train/smoke-{tag}/checkpoint-step")
+        assert client.get_metric_history(mv.run_id, "holdout_tau")  # logged live by the worker
+        run_dir = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/train/smoke-{tag}")}
+        assert {"drafter", "eval", "checkpoint-step00000002"} <= run_dir, run_dir
         drafter = f"{bucket}/train/smoke-{tag}/drafter"
         assert {"config.json", "model.safetensors"} <= {p.rsplit("/", 1)[-1] for p in fs.ls(drafter)}
 

@@ -13,6 +13,8 @@ from specdec.checkpoint import save_drafter
 from specdec.target import load_target
 from specdec.tiny import random_drafter, save_tiny_target
 
+pytestmark = pytest.mark.unit
+
 WINDOW = 64
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from specdec import cpu_kernels
 from specdec.cpu_kernels import PackedLinear, pack_linears
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="this torch build has no oneDNN")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not cpu_kernels.available(), reason="this torch build has no oneDNN")]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -465,7 +465,7 @@ def test_recipe_trains_dflash2_from_a_dflash_parent_and_exports_it(work, target_
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, logging_level="warning",
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, logging_level="warning",
                  log_to_driver=False)
     try:
         parent = fit(recipe("parent"))

@@ -15,6 +15,8 @@ from specdec.objective import dflash_loss
 from specdec.proposers import DFlashProposer
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 NO_STOP = frozenset()
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 

@@ -11,6 +11,8 @@ from specdec.proposers import DFlashProposer, OracleProposer
 from specdec.sampling import SamplingParams
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [1, 40]]
 NO_STOP = frozenset()
 

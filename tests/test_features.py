@@ -36,7 +36,7 @@ NUM_PROMPTS = 11  # one of them is over the token cap and is skipped
 def ray_address():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 << 20,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=300 << 20,
                  logging_level="warning", log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     if started:

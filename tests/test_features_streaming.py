@@ -27,7 +27,7 @@ HOLDOUT = 0.2  # of the ids c0..c23, the id hash holds out c0, c4, c10, c18, c23
 def ray_session():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
                  log_to_driver=False)
     yield
     if started:

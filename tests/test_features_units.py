@@ -17,6 +17,8 @@ from pipelines.config import ConfigError, FeaturesConfig, load_features_config, 
 from pipelines.features.format import (FeatureLayout, ManifestMismatchError, check_manifest, dequantize_int8,
                                       quantize_int8)
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 #: package -> floor; anything not named here (stdlib, third party) is not checked
 FLOORS = {"specdec": 0, "pipelines": 1, "serve_app": 2, "jobs": 3, "cluster": 3, "harness": 3, "tools": 3}

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "jobs" / "gpu_check.py"
 TIER1 = ["bf16_exactness", "train_step", "cycle_cost"]

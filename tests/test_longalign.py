@@ -21,6 +21,8 @@ from pipelines.longalign import (
 from specdec import longctx
 from specdec.prompts import _load, load_prompts
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

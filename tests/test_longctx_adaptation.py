@@ -12,6 +12,8 @@ from specdec.engine import Engine, Request
 from specdec.objective import dflash_loss
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 LONG, SHORT, NEW = 300, 6, 24
 
 

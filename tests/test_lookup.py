@@ -14,6 +14,8 @@ from specdec.sampling import SamplingParams
 from specdec.tiny import random_drafter
 from tests.test_engine import NO_STOP, PROMPTS, ar_reference, joint_law_pvalue
 
+pytestmark = pytest.mark.unit
+
 # prompts that repeat themselves, so lookups fire from the first cycle on
 REPEATING = [[1, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 10, 11, 12, 10, 11], PROMPTS[2], [1, 40, 41, 40]]
 

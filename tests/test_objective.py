@@ -12,6 +12,8 @@ from specdec.objective import (block_hidden, block_mask_dense, block_mask_flex, 
                                loss_weights, sample_blocks)
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(T=40, Bsz=2, prompt=8, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -19,6 +19,8 @@ from specdec import assets
 from specdec import prompts as prompts_module
 from specdec.prompts import Prompt, is_holdout, iter_prompts, load_prompts, prompt_text
 
+pytestmark = pytest.mark.unit
+
 
 def write_json(path: Path, data) -> str:
     path.write_text(json.dumps(data), encoding="utf-8")

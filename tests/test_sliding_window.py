@@ -18,6 +18,8 @@ from specdec.sampling import GREEDY, SamplingParams
 from specdec.tiny import random_drafter
 from tests.test_engine import NO_STOP, PROMPTS, ar_reference, test_sampling_follows_target_law_through_engine
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(T=60, Bsz=2, prompt=8):
     g = torch.Generator().manual_seed(0)

@@ -9,6 +9,8 @@ from specdec.proposers import DFlashProposer, OracleProposer
 from specdec.target import choose_mask_token_id
 from specdec.tiny import random_drafter
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_features_are_hf_hidden_states_and_embed_matches(tiny, family):

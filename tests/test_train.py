@@ -2,16 +2,14 @@
 (specdec.tiny.save_cyclic_target): features from the real feature pipeline, a DDP run that
 learns, registers in MLflow and exports a drafter the engine serves exactly; DeepSpeed
 ZeRO-2 on two CPU workers; a worker killed mid-run; the same run name run again; online
-features; and `ray job submit` against a real head node."""
+features. `ray job submit` of the training job against a real head (S3 checkpoints, MLflow
+server, lineage): tests/test_cluster.py::TestLocalStack::test_job_submit_tiny_training."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -45,7 +43,7 @@ def cluster():
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     started = not ray.is_initialized()
     if started:  # 4 logical CPUs: two training workers plus Ray Data's read tasks
-        ray.init(num_cpus=4, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
+        ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
                  log_to_driver=False)
     yield
     if started and ray.is_initialized():
@@ -403,57 +401,3 @@ def test_distill_needs_a_feature_run_with_teacher_logprobs(cluster, work, target
     with pytest.raises(ConfigError, match=r"^train\.distill: 0\.5 needs the target's log-probs, which the feature "
                                           r"run .* does not store; make it with features\.storage\.teacher_topk"):
         fit(recipe(work, target_dir, "distill", max_steps=1), "train.distill=0.5")
-
-
-# ---------------------------------------------------------------------------- ray job submit
-@pytest.mark.slow
-def test_ray_job_submit_to_a_real_head_with_s3_and_an_mlflow_server(work, target_dir, features):
-    """The cluster path: `python -m cluster.stack up --s3` runs `ray start --head` (free ports,
-    dashboard, token auth), an MLflow server and an S3 API on loopback; the job checkpoints
-    to s3:// and registers through the server. `down` stops exactly what it started (never
-    `ray stop`, which would stop every Ray on the machine)."""
-    from mlflow import MlflowClient
-
-    from cluster.stack import load_state, stack_env
-
-    if ray.is_initialized():
-        ray.shutdown()  # the job runs on its own cluster
-    # a short state dir: Ray's unix socket paths under it must stay within 107 bytes
-    state_dir = Path(tempfile.mkdtemp(prefix="dflash-train-stack-", dir="/tmp"))
-    stack = [sys.executable, "-m", "cluster.stack", "--state-dir", str(state_dir)]
-    up = subprocess.run([*stack, "up", "--s3", "--num-cpus", "2"], cwd=REPO, capture_output=True, text=True,
-                        timeout=600)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        env = {**os.environ, **stack_env(load_state(state_dir))}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` in the job is ours
-        bucket = env["DFLASH_S3_BUCKET"]
-        path = recipe(work, target_dir, "job", storage_path=f"s3://{bucket}/train", max_steps=4, eval_every=2,
-                      registry={"tracking_uri": None})  # MLFLOW_TRACKING_URI: the stack's server
-        job = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--working-dir", str(REPO),
-                              "--", "python", "jobs/train_drafter.py", "--config", str(path)],
-                             env=env, capture_output=True, text=True, timeout=900)
-        out = job.stdout + job.stderr
-        assert job.returncode == 0, out[-5000:]
-        assert f"drafter: s3://{bucket}/train/job/drafter" in out and "succeeded" in out
-        assert "registered: models:/dflash-cyclic-target/1" in out
-        assert "[eval] step 2 " in out and "Reporting training result" not in out  # one line, no metrics dicts
-
-        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-        mv = client.get_model_version("dflash-cyclic-target", "1")
-        assert mv.source.startswith("mlflow-artifacts:") and mv.tags["features_uri"] == features
-        assert mv.tags["checkpoint"].startswith(f"s3://{bucket}/train/job/checkpoint-step")
-        assert client.get_metric_history(mv.run_id, "holdout_tau")  # logged live by the worker
-
-        from pipelines import storage
-
-        fs, root = storage.filesystem(f"s3://{bucket}/train/job", {
-            "endpoint_url": env["AWS_ENDPOINT_URL_S3"], "key": env["AWS_ACCESS_KEY_ID"],
-            "secret": env["AWS_SECRET_ACCESS_KEY"], "region": env["AWS_REGION"]})
-        names = {p.rsplit("/", 1)[-1] for p in fs.ls(root)}
-        assert {"drafter", "eval", "checkpoint-step00000004"} <= names
-    finally:
-        down = subprocess.run([*stack, "down"], cwd=REPO, capture_output=True, text=True, timeout=300)
-        if down.returncode == 0:
-            shutil.rmtree(state_dir, ignore_errors=True)
-        assert down.returncode == 0, down.stdout + down.stderr

@@ -200,7 +200,7 @@ def cluster():
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, logging_level="warning",
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, logging_level="warning",
                  log_to_driver=False)
     yield
     if started and ray.is_initialized():

@@ -8,6 +8,8 @@ import torch
 from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.verify import acceptance_prob, greedy_accept, residual_law, speculative_accept
 
+pytestmark = pytest.mark.unit
+
 
 def _law(V, gen):
     x = torch.rand(V, generator=gen, dtype=torch.float64) ** 3 + 1e-3
