@@ -101,8 +101,8 @@ def run_lanes(batches: list[Batch], jobs: int, pytest_args: list[str]) -> None:
         t.join()
 
 
-def report(batches: list[Batch], wall: float, budget_min: float, module_max_s: float, jobs: int) -> list[str]:
-    """Print each batch's seconds and the budget lines; returns the warnings."""
+def report(batches: list[Batch], wall: float, budget_min: float, module_max_s: float, jobs: int) -> None:
+    """Print each batch's seconds and the budget lines."""
     print(f"\n{'seconds':>8}  module")
     for b in sorted(batches, key=lambda b: -b.seconds):
         flag = "  FAILED" if b.returncode not in (0, 5) else ""
@@ -116,7 +116,6 @@ def report(batches: list[Batch], wall: float, budget_min: float, module_max_s: f
                  for b in batches if len(b.modules) == 1 and b.seconds > module_max_s]
     for w in warnings:
         print(w)
-    return warnings
 
 
 def record(batches: list[Batch]) -> None:
@@ -129,7 +128,8 @@ def record(batches: list[Batch]) -> None:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ours, _, theirs = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv else (argv, None, [])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, theirs = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("modules", nargs="*", help="test modules (default: tests/test_*.py)")
