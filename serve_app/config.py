@@ -92,6 +92,11 @@ class ServeConfig(BaseModel):
                                      "first, requests wait in Serve's queue meanwhile")
     speculative_max_inflight: int = Field(4, ge=0, description="vllm_plain_pool: requests an ingress replica "
                                           "sends to the speculative pool at once; the rest decode plain")
+    plain_min_replicas: int | None = Field(None, ge=0, description="vllm_plain_pool: the plain pool's replica "
+                                           "bounds (default: min_replicas / max_replicas). Past the bound "
+                                           "every further request decodes plain, so under load it is the plain "
+                                           "pool that needs room to grow")
+    plain_max_replicas: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -129,11 +134,20 @@ class ServeConfig(BaseModel):
     def _check(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        lo, hi = self.plain_replicas
+        if lo > hi:
+            raise ValueError(f"plain_min_replicas ({lo}) > plain_max_replicas ({hi})")
         if self.default_max_tokens > self.max_tokens_limit:
             self.default_max_tokens = self.max_tokens_limit
         return self
 
     # ---------------------------------------------------------------- derived
+    @property
+    def plain_replicas(self) -> tuple[int, int]:
+        """(min, max) replicas of the vllm backend's plain pool."""
+        lo = self.min_replicas if self.plain_min_replicas is None else self.plain_min_replicas
+        return lo, self.max_replicas if self.plain_max_replicas is None else self.plain_max_replicas
+
     @property
     def served_model_name(self) -> str:
         # the training job registers dflash-<slug>: the same slug names the served model

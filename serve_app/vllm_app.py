@@ -344,7 +344,9 @@ def engine_pools(cfg: ServeConfig, target_path: str, source: dict | None) -> tup
     configs = [vllm_llm_config(cfg, target_path, source)]
     if not (cfg.vllm_plain_pool and source is not None):
         return configs, None
-    plain = vllm_llm_config(cfg, target_path, None)
+    lo, hi = cfg.plain_replicas
+    plain = vllm_llm_config(cfg.model_copy(update={"min_replicas": lo, "max_replicas": hi, "initial_replicas": None}),
+                            target_path, None)
     plain["model_loading_config"]["model_id"] = plain_model_id(cfg.served_model_name)
     return configs + [plain], {"public": cfg.served_model_name, "max_speculating": cfg.speculative_max_inflight}
 

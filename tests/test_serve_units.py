@@ -645,6 +645,16 @@ def test_vllm_plain_pool_beside_the_speculative_one(tiny):
     assert engine_pools(load_config({"backend": "vllm"}), "/t", source)[1] is None
     with pytest.raises(ValueError, match="speculative_max_inflight"):
         load_config({"backend": "vllm", "speculative_max_inflight": -1})
+    # the plain pool's own bounds (it takes the overflow); the speculative pool keeps its own
+    grown = load_config({"backend": "vllm", "vllm_plain_pool": True, "min_replicas": 1, "max_replicas": 1,
+                         "initial_replicas": 1, "plain_max_replicas": 3})
+    (spec, plain), _ = engine_pools(grown, "/t", source)
+    assert (spec["deployment_config"]["autoscaling_config"]["min_replicas"],
+            spec["deployment_config"]["autoscaling_config"]["max_replicas"]) == (1, 1)
+    scaling = plain["deployment_config"]["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 3) and "initial_replicas" not in scaling
+    with pytest.raises(ValueError, match=r"plain_min_replicas \(3\) > plain_max_replicas \(2\)"):
+        load_config({"backend": "vllm", "plain_min_replicas": 3})
 
 
 def test_vllm_app_follows_a_registry_alias_only(tiny):

@@ -293,35 +293,29 @@ def test_resuming_with_another_drafter_shape_is_refused(ddp_run, work, target_di
 
 
 @pytest.mark.slow
-def test_fine_tuning_starts_from_the_parent_drafter(ddp_run, work, target_dir):
-    """drafter.init_from: the new run's untrained baseline is the parent's held-out tau
-    (same held-out rows), not an untrained drafter's; the parent is in the lineage."""
-    path = recipe(work, target_dir, "finetune", max_steps=1, epochs=1)
+def test_several_feature_runs_fine_tune_the_parent_as_one(ddp_run, work, target_dir, features):
+    """train.features as a list: the runs' rows are read as one training set (an epoch
+    covers both), with both runs in the lineage; runs of another layout are refused.
+    drafter.init_from (one fit for both, a fit's fixed cost being most of its time): the
+    new run's untrained baseline is the parent's held-out tau (the copy holds the same
+    held-out rows), not an untrained drafter's; the parent is in the lineage."""
+    import hashlib
+
+    second = work / "features-second"
+    shutil.copytree(features, second)
+    path = recipe(work, target_dir, "two-runs", epochs=1, features=[features, str(second)])
     res = fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "registry.register=false")
-    parent_best = ddp_run.holdout_tau
-    assert res.history[0]["step"] == 0 and res.history[0]["holdout_tau"] == pytest.approx(parent_best, abs=0.05)
+    assert res.samples == 2 * train_rows(features) and res.steps == -(-2 * train_rows(features) // BATCH)
+    shas = [hashlib.sha256((Path(f) / "manifest.json").read_bytes()).hexdigest() for f in (features, second)]
+    assert res.extra["features_uri"] == f"{features},{second}"
+    assert res.extra["features_manifest_sha256"] == hashlib.sha256(",".join(shas).encode()).hexdigest()
+    assert res.history[0]["step"] == 0 and res.history[0]["holdout_tau"] == pytest.approx(ddp_run.holdout_tau, abs=0.05)
     assert res.extra["parent_drafter"] == ddp_run.drafter_dir
     assert res.extra["parent_mlflow_run_id"] == ddp_run.mlflow_run_id
     with pytest.raises(ConfigError, match=r"^drafter\.init_from: .* has block_size=4 but the recipe builds 6"):
         fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "drafter.block_size=6", "train.run_name=ft2")
     with pytest.raises(ConfigError, match=r"^drafter\.init_from: .* is not a drafter directory"):
         fit(path, f"drafter.init_from={work}", "train.run_name=ft3")
-
-
-@pytest.mark.slow
-def test_several_feature_runs_train_as_one(cluster, work, target_dir, features):
-    """train.features as a list: the runs' rows are read as one training set (an epoch
-    covers both), with both runs in the lineage; runs of another layout are refused."""
-    import hashlib
-
-    second = work / "features-second"
-    shutil.copytree(features, second)
-    res = fit(recipe(work, target_dir, "two-runs", epochs=1, features=[features, str(second)]),
-              "registry.register=false")
-    assert res.samples == 2 * train_rows(features) and res.steps == -(-2 * train_rows(features) // BATCH)
-    shas = [hashlib.sha256((Path(f) / "manifest.json").read_bytes()).hexdigest() for f in (features, second)]
-    assert res.extra["features_uri"] == f"{features},{second}"
-    assert res.extra["features_manifest_sha256"] == hashlib.sha256(",".join(shas).encode()).hexdigest()
 
     other = work / "features-bf16"
     shutil.copytree(features, other)
@@ -360,20 +354,20 @@ def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features,
 @pytest.mark.slow
 def test_killed_worker_resumes_and_the_same_name_continues(cluster, work, target_dir, features, monkeypatch):
     per_epoch = -(-train_rows(features) // BATCH)
-    path = recipe(work, target_dir, "killed", epochs=2, eval_every=2)
+    path = recipe(work, target_dir, "killed", epochs=1, eval_every=2)
     marker = work / "killed.marker"
     monkeypatch.setenv("DFLASH_FAIL_AT_STEP", "3")
     monkeypatch.setenv("DFLASH_FAIL_MARKER", str(marker))
     res = fit(path)
     assert marker.exists()  # the worker did die at step 3 ...
     assert res.resumed_from_step == 2  # ... and the restarted group resumed from the step-2 checkpoint
-    assert res.steps == 2 * per_epoch and res.samples == 2 * train_rows(features)
+    assert res.steps == per_epoch and res.samples == train_rows(features)
     steps = [h["step"] for h in res.history]
-    assert steps == sorted(set(steps)) and steps[-1] == 2 * per_epoch
+    assert steps == sorted(set(steps)) and steps[-1] == per_epoch
 
     monkeypatch.delenv("DFLASH_FAIL_AT_STEP")
-    again = fit(path, "train.epochs=3")  # the same run name: picks up where it stopped
-    assert again.resumed_from_step == 2 * per_epoch and again.steps == 3 * per_epoch
+    again = fit(path, "train.epochs=2")  # the same run name: picks up where it stopped
+    assert again.resumed_from_step == per_epoch and again.steps == 2 * per_epoch
     assert again.mlflow_run_id == res.mlflow_run_id and int(again.model_version) == int(res.model_version) + 1
     assert [h["step"] for h in again.history][: len(steps)] == steps
 
