@@ -10,13 +10,17 @@ whose engine boots the whole module shares.
   under the public name; closing the held streams frees their slots;
 * the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
   under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
+* the plain pool autoscales on its own bounds (``plain_max_replicas``) with the shared policy,
+  fed by its engine replica's counters (tau 1: no drafter): sustained load adds a replica, idling
+  removes it, and /metrics' gauges add up over the replicas;
 * a promotion (``@champion`` moved to version 2) under load rolls the speculative engine
   replica by itself (the ingress's registry watcher redeploys the app), nothing else, and no
   request fails.
 
 Every wait polls for a condition the test itself causes, under an outer bound only a bug reaches.
-Autoscaling of vLLM engine replicas: tests/test_serve_vllm_autoscale.py. About 5 minutes on
-2 cores (three engine boots: the two pools, the promoted version).
+About 7 minutes on 2 cores (four engine boots: the two pools, the plain pool's second replica,
+the promoted version), the only vLLM Serve instance of the suite besides the two-node one
+(tests/test_serve_vllm.py): the engines are what costs, so one app is tested for everything.
 """
 
 import itertools
@@ -31,7 +35,7 @@ import torch
 from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
 from serve_app.metrics import scrape_totals
 from serve_helpers import (FAST_METRICS, free_port, ingress_fastapi_app, load_until, private_dir, register_drafter,
-                           restore_env, route_statuses, wait_for)
+                           replica_states, restore_env, route_statuses, wait_for)
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.prompts import load_prompts
 from specdec.target import load_target
@@ -50,9 +54,17 @@ ENGINE = f"DFlashLLMServer:{MODEL}"
 SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
 
 
+#: the speculative pool stays at one replica, the plain pool may grow to two; the policy acts
+#: within seconds. One replica's capacity is CAPACITY requests (tau 1 there): the exactness test's
+#: 8 at once stay within it, the scaling test's clients are twice as many
+CAPACITY = 10
+SCALING = {"min_replicas": 1, "max_replicas": 1, "plain_max_replicas": 2, "target_ongoing_requests": CAPACITY,
+           "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
+           "metrics_push_s": 0.5}
+
+
 def _settings(drafter, **extra) -> dict:
-    return {"backend": "vllm", "drafter": drafter, "vllm_engine_kwargs": {"max_model_len": 2048},
-            "min_replicas": 1, "max_replicas": 1, **extra}
+    return {"backend": "vllm", "drafter": drafter, "vllm_engine_kwargs": {"max_model_len": 2048}, **SCALING, **extra}
 
 
 def _wait_up(url: str, headers: dict, timeout: float = 900) -> None:
@@ -85,7 +97,7 @@ def apps():
         os.environ["DFLASH_CACHE"] = str(root / "cache")
         os.environ.update(FAST_METRICS)  # the controller and replicas inherit these
         # logical CPUs: an engine replica takes 2 (actor + placement bundle): the two pools and
-        # one more while the hot swap surges; the ingress 0.1
+        # one more while the plain pool scales up or the hot swap surges; the ingress 0.1
         ray.init(address="local", num_cpus=7, include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -239,8 +251,51 @@ def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
     assert card["metadata"]["drafter"] == [{"source": f"models:/{NAME}@champion", "version": "1"}]
 
 
-def _served_versions(url: str) -> list[str]:
-    card = requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+PLAIN_ENGINE = f"DFlashLLMServer:{PLAIN_POOL}"
+
+
+def test_sustained_load_grows_the_plain_pool_and_idle_shrinks_it(apps):
+    """The plain pool follows the shared autoscaling policy, fed by its engine replica's own
+    counters: 2 x CAPACITY clients sending to it start a second engine replica (no request
+    fails meanwhile; the replica reports tau 1, it has no drafter), idling stops it again, and
+    /metrics, whose gauges add up over the replicas, loses the stopped one's block size."""
+    from ray import serve
+
+    url = apps["url"]
+    states = lambda: replica_states("spec", PLAIN_ENGINE)  # noqa: E731
+    assert states() == {"RUNNING": 1}
+    one = wait_for(lambda: (t := _totals(url))["block_size"] > 0 and t, 60, what="block sizes in /metrics")
+    plain = serve.get_deployment_handle(PLAIN_ENGINE, "spec")
+    seen = []
+
+    def send():
+        return requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+            "model": PLAIN_POOL, "messages": SHORT, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+
+    def grown():  # the load goes on until the new replica also reports to /metrics
+        seen.append(plain.record_autoscaling_stats.remote().result())
+        return states().get("RUNNING", 0) == 2 and _totals(url)["block_size"] == one["block_size"] + 1
+
+    errors, up_s = load_until(send, grown, clients=2 * CAPACITY, timeout=600, interval=1,
+                              what="a second plain engine replica, in /metrics")
+    assert not errors, errors[:2]
+    busy = [s for s in seen if s[METRIC_ONGOING] > 0]
+    assert busy and all(s[METRIC_TAU] == 1.0 for s in busy), seen[-3:]
+    t1 = time.monotonic()
+    wait_for(lambda: states() == {"RUNNING": 1}, 300, interval=1, what="the plain pool back to one replica")
+    print(f"plain pool: scaled up in {up_s:.1f}s under load, down in {time.monotonic() - t1:.1f}s when idle")
+    # the stopped replica's gauges leave /metrics once its last report expires
+    wait_for(lambda: _totals(url)["block_size"] == one["block_size"], 120, what="the stopped replica's metrics gone")
+    assert _chat(url, SHORT, model=PLAIN_POOL)["finish"] == "stop"
+
+
+def _served_versions(url: str) -> list[str] | None:
+    """The drafter versions /v1/models names; None while it answers anything but a model
+    card (during the swap the app is redeployed: Serve may answer 503 in between)."""
+    r = requests.get(f"{url}/v1/models", headers=AUTH, timeout=30)
+    if r.status_code != 200:
+        return None
+    card = r.json()["data"][0]
     return [d["version"] for d in card["metadata"]["drafter"]]
 
 
