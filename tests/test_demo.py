@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 SETS = ["features.layer_ids=[1,2]", "features.generation.backend=hf", "features.extract.from_generation=true",
         "features.generation.batch_size=8", "drafter.num_layers=1", "drafter.block_size=4", "train.batch_size=4",
         "train.num_anchors=8", "train.eval_samples=4", "train.lr=3e-3"]
+PROMPTS = 12  # and 24 steps: the demo's stages at the least work that still checks each
 SUMMARY_KEYS = {"target", "model", "stack", "features", "reference", "training", "promotion", "serving", "chat",
                 "results", "stage_seconds", "logs"}
 
@@ -66,7 +67,7 @@ def test_config_errors_name_the_field():
 # ------------------------------------------------------------------------------ end to end
 def _demo(out: Path, target: Path, reference: Path, *extra: str, timeout: float = 900):
     argv = [sys.executable, "jobs/demo.py", "--out", str(out), "--target", str(target), "--reference", str(reference),
-            "--prompts", "16", "--max-new-tokens", "24", "--steps", "40", "--metric", "tau", "--eval-prompts", "2",
+            "--prompts", str(PROMPTS), "--max-new-tokens", "24", "--steps", "24", "--metric", "tau", "--eval-prompts", "2",
             "--eval-tokens", "16", "--chat-requests", "2", "--chat-tokens", "16", *extra]
     for s in SETS:
         argv += ["--set", s]
@@ -125,7 +126,7 @@ class TestDemo:
 
     def test_features_manifest_committed(self, demo):
         man = json.loads((demo["out"] / "features" / "manifest.json").read_text())
-        assert man["num_samples"] == 16 and man["num_tokens"] > 16 * 24
+        assert man["num_samples"] == PROMPTS and man["num_tokens"] > PROMPTS * 24
 
     def test_registered_with_lineage_and_the_winner_promoted(self, demo):
         from pipelines import registry
@@ -137,7 +138,7 @@ class TestDemo:
         assert tags["features_uri"] == str(demo["out"] / "features") and tags["run_name"] == "demo"
         assert tags["target_identity"] == demo["target"].identity
         assert t["lineage"]["features_uri"] == tags["features_uri"]
-        # the reference (copy the anchor, tau ~2) beat the target alone; the 40-step drafter lost to it
+        # the reference (copy the anchor, tau ~2) beat the target alone; the 24-step drafter lost to it
         assert s["reference"]["decision"] == "PROMOTED" and s["promotion"]["decision"] == "REFUSED"
         assert state.champion == s["reference"]["version"] != t["version"]
         assert s["serving"]["drafter"]["version"] == state.champion  # serving follows @champion
