@@ -838,6 +838,17 @@ def test_vllm_replica_stats_from_vllm_counters():
     assert "dflash_draft_seconds" not in text.replace("# HELP dflash_draft_seconds", "").replace(
         "# TYPE dflash_draft_seconds", "")  # not measured on this backend: not rendered as zeros
     assert totals["drafter_info"] == {"source": "models:/d/1", "version": "1"}
+    # an engine without a drafter (drafter=none, or the plain pool): tokens, no drafts, block 1
+    from serve_app.vllm_app import drafter_info
+
+    plain = VLLMReplicaStats(block_size=1, drafter=drafter_info(None), window_s=10)
+    plain.update(reading(0, [0, 0, 0], 0), at=0.0)
+    plain.update(reading(0, [0, 0, 0], 12, running=1), at=2.0)
+    assert plain.autoscaling() == {METRIC_ONGOING: 1.0, METRIC_TAU: 1.0, METRIC_TPS: 6.0}
+    t = scrape_totals(render_prometheus({"p1": plain.snapshot()}))
+    assert t["generated_tokens_total"] == 12 and t["block_size"] == 1
+    assert t["draft_tokens_total"] == {"dflash": 0} and t.get("accepted_length_count", 0) == 0
+    assert t["drafter_info"] == {"source": "", "version": ""}
 
 
 def test_vllm_draft_schedule_from_the_cost_model():
