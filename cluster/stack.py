@@ -502,7 +502,10 @@ def _start_mlflow(state: dict, base: dict, log: Path, port: int) -> subprocess.P
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", m["backend_store"],
            "--artifacts-destination", m["artifacts"], "--serve-artifacts",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    proc = _spawn(cmd, base, Path(state["state_dir"]), log)
+    # MLflow's job runner (GenAI evaluation jobs, unused here) would start 7 more Python
+    # processes of ~270 MB each at every start: off unless asked for
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **base}
+    proc = _spawn(cmd, env, Path(state["state_dir"]), log)
     m["pid"] = proc.pid
     return proc
 

@@ -183,7 +183,8 @@ def start_apps(args) -> tuple[str, str]:
 
     from serve_app import build_app
 
-    # an engine replica of the vllm backend holds 2 logical CPUs (actor + placement bundle)
+    # logical CPUs: the two apps' engine replicas (and a plain pool) reserve replica_cpus each;
+    # each app's builder checks itself against the cluster, not against the other app
     ray.init(address="local", num_cpus=args.num_cpus or (8 if args.backend == "vllm" else None),
              include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})

@@ -38,6 +38,7 @@ def build_app(args: dict | None = None):
     from serve_app.ingress import OpenAIIngress
     from serve_app.metrics import MetricsHub
     from serve_app.replica import DFlashReplica
+    from serve_app.resources import check_app_fits
 
     settings = cfg.model_dump()
     actor_options = {"num_cpus": cfg.replica_cpus}
@@ -52,7 +53,10 @@ def build_app(args: dict | None = None):
         max_queued_requests=cfg.max_queued_requests,
         ray_actor_options=actor_options,
     ).bind(settings, hub)
-    return OpenAIIngress.options(num_replicas=cfg.ingress_replicas).bind(replica, hub, settings)
+    app = OpenAIIngress.options(num_replicas=cfg.ingress_replicas).bind(replica, hub, settings)
+    check_app_fits(app, "replica_cpus / replica_gpus, min_replicas or replica_resources, or give the cluster "
+                   "more CPUs/GPUs")
+    return app
 
 
 def __getattr__(name: str):

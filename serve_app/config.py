@@ -4,6 +4,7 @@ machine serving the embedded SmolLM2 target; raise the limits on a cluster."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -122,6 +123,17 @@ class ServeConfig(BaseModel):
         if isinstance(v, int) and not isinstance(v, bool):
             return "off" if v <= 1 else v
         raise ValueError(f"speculation must be 'auto', 'off' or an integer >= 2, got {v!r}")
+
+    @field_validator("replica_resources", "vllm_engine_kwargs", mode="before")
+    @classmethod
+    def _json_object(cls, v):
+        """`serve run ... key=value` passes strings: a dict setting may be given as JSON."""
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"expected a JSON object, got {v!r} ({e.msg})") from None
+        return v
 
     @field_validator("drafter", mode="before")
     @classmethod

@@ -284,7 +284,7 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
             "max_queued_requests": cfg.max_queued_requests,
             # a rolling update (the hot swap, serve_app/vllm_swap.py) starts one new replica
             # before an old one stops; the old one gets a request's time to drain
-            "max_surge_percent": 1 if cfg.vllm_rollout_surge else 0,
+            "max_surge_percent": 1 if cfg.vllm_rollout_surge and source is not None else 0,
             "graceful_shutdown_timeout_s": cfg.request_timeout_s,
         },
         # vLLM's stat logger then writes to the replica's own prometheus registry, where our
@@ -299,6 +299,9 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
         engine_kwargs["enforce_eager"] = True  # no graph capture to pay for on CPU
         out["runtime_env"] = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
         out["placement_group_config"] = {"bundles": [{"CPU": cfg.replica_cpus or 1, **cfg.replica_resources}]}
+        # Ray Serve LLM adds the replica actor's own CPU to that bundle (1 by default): the
+        # engine process does the work, so a replica reserves replica_cpus, not one more
+        out["deployment_config"]["ray_actor_options"] = {"num_cpus": 0}
     else:
         if cfg.accelerator_type:
             out["accelerator_type"] = cfg.accelerator_type
@@ -371,6 +374,7 @@ def build_vllm_app(cfg: ServeConfig, salt: str | None = None):
 
     from serve_app.metrics import MetricsHub
     from serve_app.registry import choose_drafter
+    from serve_app.resources import check_app_fits
     from serve_app.vllm_swap import pin_versions
     from specdec.target import resolve_target_path
 
@@ -388,8 +392,10 @@ def build_vllm_app(cfg: ServeConfig, salt: str | None = None):
                                                         "speculative": source is not None, "pools": pools,
                                                         "watch": watch,
                                                         "hub": MetricsHub.bind(ttl_s=max(15.0, 5 * cfg.metrics_push_s))}},
-        # the ingress only routes: a fraction of a CPU, so a 2-core machine fits it beside the engine
-        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},
+        # the ingress only routes (as the hf backend's): no CPU reserved, the engines take them all
+        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}},
     })
     pin_versions(app, salt)
+    check_app_fits(app, "replica_cpus, min_replicas (plain_min_replicas) or vllm_plain_pool, or give the "
+                   "cluster more CPUs/GPUs")
     return app

@@ -82,8 +82,10 @@ def pin_versions(app, salt: str) -> dict[str, str]:
     restarts every replica; pinned, a redeploy with the same ``salt`` restarts only the
     engines whose config changed (the drafter version). A new build (a new salt) restarts all,
     as before. Returns ``{deployment name: version}``."""
+    from serve_app.resources import bound_apps
+
     versions: dict[str, str] = {}
-    for child in _bound_apps((app._bound_deployment.init_args, app._bound_deployment.init_kwargs)):
+    for child in bound_apps((app._bound_deployment.init_args, app._bound_deployment.init_kwargs)):
         versions.update(pin_versions(child, salt))
     deployment = app._bound_deployment
     llm_config = (deployment.init_kwargs or {}).get("llm_config")
@@ -98,16 +100,6 @@ def pin_versions(app, salt: str) -> dict[str, str]:
 
 def _named(value) -> str:
     return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
-
-
-def _bound_apps(obj) -> list:
-    """The ``Application`` objects bound in ``obj`` (nested dicts, lists and tuples)."""
-    from ray.serve import Application
-
-    if isinstance(obj, Application):
-        return [obj]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return [app for item in items for app in _bound_apps(item)]
 
 
 def follow_registry(watch: dict) -> ChampionWatcher:

