@@ -1060,12 +1060,12 @@ def _documented_serve_runs() -> list[tuple[str, dict]]:
     return found
 
 
-def test_documented_serve_run_commands_fit_a_2_cpu_node(monkeypatch, caplog):
+def test_documented_serve_run_commands_fit_a_2_cpu_node(monkeypatch):
     """Every documented ``serve run serve_app:...`` builds, and the app it deploys fits one 2-CPU
-    node (a GPU node for ``device=cuda``): what the builder checks before serving. A placeholder
-    target or drafter (a path that is not here, a registry model) becomes the embedded target and
-    its reference drafter, which does not change what the app asks for."""
-    import logging
+    node (a 2-GPU node for ``device=cuda``) with room for its second replica and a hot swap's:
+    what the builder checks before serving. A placeholder target or drafter (a path that is not
+    here, a registry model) becomes the embedded target and its reference drafter, which does not
+    change what the app asks for."""
     from pathlib import Path
 
     from serve_app import build_app, resources
@@ -1080,11 +1080,10 @@ def test_documented_serve_run_commands_fit_a_2_cpu_node(monkeypatch, caplog):
         if args.get("drafter", "").startswith("models:/") or not Path(args.get("drafter", "/")).exists():
             args.pop("drafter", None)
         gpu = args.get("device") == "cuda"
-        node = {"CPU": 8.0, "GPU": 1.0, f"accelerator_type:{args.get('accelerator_type')}": 1.0} if gpu else {"CPU": 2.0}
+        node = {"CPU": 8.0, "GPU": 2.0, f"accelerator_type:{args.get('accelerator_type')}": 1.0} if gpu else {"CPU": 2.0}
         monkeypatch.setattr(resources, "cluster_nodes", lambda node=node: ([node], "one documented node"))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
-            build_app(args)  # raises AppDoesNotFit if it would wait forever
-        lines = [r.getMessage() for r in caplog.records if r.name == "serve_app.resources"]
+        app = build_app(args)  # raises AppDoesNotFit if it would wait forever
+        needs = resources.deployment_needs(app)
+        _, warnings = resources.describe(resources.fit(needs, [node]), needs, "")
         if "max_replicas" not in args:  # at the defaults the second replica and a hot swap's fit too
-            assert not lines, (where, lines)
+            assert not warnings, (where, warnings)
