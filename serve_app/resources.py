@@ -143,8 +143,9 @@ def _fmt(b: Bundle) -> str:
 
 def describe(report: FitReport, needs: list[DeploymentNeed], settings: str) -> tuple[str | None, list[str]]:
     """(the error, or None; the warnings) for ``report``; ``settings`` names what to change."""
-    parts = "; ".join(f"{d.name} {d.min_replicas} x {' + '.join(_fmt(b) for b in d.bundles) or '{}'}" for d in needs)
     if not report.fits:
+        parts = "; ".join(f"{d.name} {d.min_replicas} x {' + '.join(_fmt(b) for b in d.bundles) or '{}'}"
+                          for d in needs)
         return (f"the app needs {_fmt(report.need)} at its minimum ({parts}) but the cluster has "
                 f"{_fmt(report.have)}: it would wait forever to be scheduled. Change {settings}"), []
     warnings = [f"{d.name}: autoscaling can reach {report.reachable[d.name]} of max_replicas={d.max_replicas} "

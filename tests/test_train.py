@@ -42,7 +42,8 @@ def cluster():
     # Ray Train's controller polls workers every 2 s by default; tests checkpoint every few steps
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     started = not ray.is_initialized()
-    if started:  # 4 logical CPUs: two training workers plus Ray Data's read tasks
+    if started:  # 4 logical CPUs, more than this machine's 2: two training workers of 1 CPU plus
+        # Ray Data's read tasks must be schedulable at once (not a user's serving setup)
         ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
                  log_to_driver=False)
     yield

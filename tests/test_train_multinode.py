@@ -65,6 +65,8 @@ def _lose_a_node_after_a_checkpoint(env: dict, fs, run: str) -> int:
                 if "checkpoint-step" in p]
         if done and max(done) >= EVERY * 2:
             env["cluster"].remove_node(env["node"])
+            # logical CPUs of a simulated node, not this machine's: like the nodes it replaces, it
+            # holds a training worker plus Ray Data's read tasks (the resize is what is tested)
             env["cluster"].add_node(num_cpus=3, env_vars=node_env(env["root"], "node-c"))
             return max(done)
         time.sleep(0.2)
