@@ -1032,8 +1032,11 @@ def test_builders_check_the_app_against_the_cluster(tiny, monkeypatch, caplog, b
     monkeypatch.setattr(resources, "cluster_nodes", lambda: ([{"CPU": 2.0}], "a 2-CPU node"))
     root, target = tiny
     base = {"backend": backend, "target": str(tiny_target_dir(root))}
-    with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
-        app = build_app(base)
+    # the handler on the logger itself: Ray's logging set-up may stop records propagating to root
+    logger = logging.getLogger("serve_app.resources")
+    logger.addHandler(caplog.handler)
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    app = build_app(base)
     assert not [r for r in caplog.records if r.name == "serve_app.resources"], caplog.text
     needs = {n.name: n for n in resources.deployment_needs(app)}
     engine = next(n for name, n in needs.items() if name.startswith(("DFlashReplica", "DFlashLLMServer")))
@@ -1042,8 +1045,8 @@ def test_builders_check_the_app_against_the_cluster(tiny, monkeypatch, caplog, b
     with pytest.raises(resources.AppDoesNotFit, match=r"^the app needs \{CPU: 3\} at its minimum .* but the "
                                                       r"cluster has \{CPU: 2\}.* Change replica_cpus"):
         build_app(base | {"min_replicas": 3, "max_replicas": 3})
-    with caplog.at_level(logging.WARNING, logger="serve_app.resources"):
-        build_app(base | {"replica_cpus": 1.5})
+    build_app(base | {"replica_cpus": 1.5})
+    logger.removeHandler(caplog.handler)
     assert "autoscaling can reach 1 of max_replicas=2" in caplog.text
 
 
