@@ -19,12 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: dtypes oneDNN packs on CPU (float64, used by the exactness tests, stays on MKL)
-PACKABLE = (torch.float32, torch.bfloat16)
-
-
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN packs on this CPU: float32, and bfloat16 only where the CPU has
+    oneDNN's bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses to pack
+    bf16). float64, used by the exactness tests, stays on MKL."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 class PackedLinear(nn.Module):
@@ -62,14 +66,15 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` under ``module`` (CPU, fp32/bf16) by a
-    ``PackedLinear`` in place; returns how many were packed (0 when oneDNN is missing)."""
+    """Replace every plain ``nn.Linear`` under ``module`` (CPU, a dtype of
+    :func:`packable_dtypes`) by a ``PackedLinear`` in place; returns how many were packed
+    (0 when oneDNN is missing)."""
     if not available():
         return 0
-    n = 0
+    packable, n = packable_dtypes(), 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKABLE:
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in packable:
                 setattr(parent, name, PackedLinear(child))
                 n += 1
     return n

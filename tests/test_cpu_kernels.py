@@ -14,6 +14,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.skipif(not cpu_kernels.available(), 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 8, 64), (2, 1, 64)])
 def test_packed_equals_linear(dtype, tol, shape):
+    if dtype not in cpu_kernels.packable_dtypes():
+        pytest.skip(f"this CPU has no oneDNN {dtype} path (pack_linears leaves such linears alone)")
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=True).to(dtype)
     x = torch.randn(*shape, dtype=dtype)
@@ -49,6 +51,14 @@ def test_autograd_falls_back_and_in_place_updates_are_repacked():
     lin.weight.data = torch.zeros_like(lin.weight)  # a swapped tensor (module.to(...)) too
     with torch.no_grad():
         assert torch.count_nonzero(packed(x.detach())) == 0
+
+
+def test_a_dtype_this_cpu_cannot_pack_stays_a_plain_linear(monkeypatch):
+    """bf16 on a CPU without oneDNN's bf16 path (AVX2-only): left to F.linear, still runs."""
+    monkeypatch.setattr(cpu_kernels, "packable_dtypes", lambda: (torch.float32,))
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))
+    assert pack_linears(model) == 1 and type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
+    assert model[0](torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
 def test_float64_and_non_linear_modules_stay():
