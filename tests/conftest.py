@@ -4,9 +4,15 @@ embedded SmolLM2 target."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Ray Train's preemption watcher is one more actor process per fit, polling for node drains;
+# no test drains a node (losing one is tested by killing it), and on 2 cores each process
+# start costs seconds. The clusters the tests start inherit this.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 # Tiny models gain nothing from intra-op threads, and spinning threads on a busy 2-core
 # machine slow them by an order of magnitude.
