@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from serve_app.autoscaling import autoscaling_config_dict
 from serve_app.config import ServeConfig
 from specdec.assets import EMBEDDED_NAMES
+from specdec.vllm_engine import cpu_engine_env
 
 if TYPE_CHECKING:
     from serve_app.registry import DrafterChoice
@@ -297,7 +298,7 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
     if on_cpu(cfg):
         out["accelerator_config"] = {"kind": "cpu"}
         engine_kwargs["enforce_eager"] = True  # no graph capture to pay for on CPU
-        out["runtime_env"] = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+        out["runtime_env"] = {"env_vars": cpu_engine_env()}  # engine replicas share their node
         out["placement_group_config"] = {"bundles": [{"CPU": cfg.replica_cpus or 1, **cfg.replica_resources}]}
         # Ray Serve LLM adds the replica actor's own CPU to that bundle (1 by default): the
         # engine process does the work, so a replica reserves replica_cpus, not one more

@@ -29,6 +29,19 @@ from specdec.sampling import SamplingParams
 #: CPU KV-cache reserve in GiB when the user set none: vLLM's CPU default reserves a
 #: fraction of all memory, which a 2-core CI machine running tests beside it cannot spare.
 CPU_KV_CACHE_GIB = "1"
+#: vLLM's default ("auto") binds an engine's OpenMP threads to all but one core of a NUMA node,
+#: as if the engine owned the machine. Engines that Ray places (Serve replicas, feature actors)
+#: share their node with other engines and actors, and "auto" binds every one of them to the
+#: same cores: on a 2-core node, all of them to core 0 while core 1 idles. Unbound, each engine
+#: runs the OMP_NUM_THREADS that Ray gives it from its CPU reservation, wherever the OS has room.
+CPU_THREADS_BIND = "nobind"
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """The environment of a vLLM engine that Ray places on a CPU node: our defaults (KV-cache
+    reserve, no thread binding), under the driver's own ``VLLM_CPU_*`` settings, which win."""
+    mine = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
+    return {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": CPU_THREADS_BIND, **mine}
 
 
 def on_gpu() -> bool:

@@ -13,6 +13,11 @@ import torch
 # no test drains a node (losing one is tested by killing it), and on 2 cores each process
 # start costs seconds. The clusters the tests start inherit this.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# vLLM's default thread binding pins an engine to all cores but one: on this 2-core machine every
+# engine of every lane to core 0, while two lanes run engines at once. Unbound, with one thread
+# each (what the engines Ray places get from their reservation), they share both cores.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Tiny models gain nothing from intra-op threads, and spinning threads on a busy 2-core
 # machine slow them by an order of magnitude.

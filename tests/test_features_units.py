@@ -306,6 +306,11 @@ def test_vllm_regeneration_stage_without_importing_vllm(monkeypatch):
     (_, kw), = calls
     assert kw["num_gpus"] == 0 and kw["num_cpus"] == 2 and "accelerator_type" not in kw
     assert kw["fn_constructor_kwargs"]["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # unset: unbound (specdec.vllm_engine.CPU_THREADS_BIND)
+    calls.clear()
+    regeneration_stage(FakeDataset(), "/m", {"dtype": "float32", "trust_remote_code": False}, cpu, 64, 128)
+    assert calls[0][1]["fn_constructor_kwargs"]["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                         "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     # engines and extraction actors overlap: both pools must fit at once
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     extract = {"actors": 1, "num_cpus": 1.0}

@@ -615,6 +615,16 @@ def test_vllm_backend_config_is_a_valid_llm_config(tiny):
     assert "speculative_config" not in cpu["engine_kwargs"] and cpu["engine_kwargs"]["enforce_eager"]
     assert cpu["accelerator_config"] == {"kind": "cpu"}
     assert cpu["placement_group_config"] == {"bundles": [{"CPU": 1.0, "engine_node": 1}]}
+    # engine replicas share their node: unbound threads (vLLM's "auto" pins every engine of a node to
+    # the same cores), unless the driver says otherwise
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+            env.delenv(name, raising=False)
+        built = lambda: vllm_llm_config(load_config({"backend": "vllm"}), "/t", None)  # noqa: E731
+        assert built()["runtime_env"] == {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+        assert built()["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     # Ray Serve LLM's own schema accepts it (resolving server_cls imports vLLM, starts nothing)
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 from pipelines.config import ConfigError
 from pipelines.features.workers import (SEQUENCES_SCHEMA, PromptEncoder, _add_sequence, encode_shard,
                                         load_shard_row, shard_seed)
+from specdec.vllm_engine import cpu_engine_env
 
 
 class RegenerateVLLM:
@@ -87,7 +88,7 @@ def regeneration_stage(ds, model_source: str, target: dict, generation: dict, ma
         RegenerateVLLM, batch_size=1, batch_format="pyarrow",
         fn_constructor_kwargs={"model_source": model_source, "target": target, "generation": generation,
                                "max_prompt_tokens": max_prompt_tokens, "max_model_len": max_model_len,
-                               "env": vllm_cpu_env() if generation["num_gpus"] == 0 else {},
+                               "env": cpu_engine_env() if generation["num_gpus"] == 0 else {},
                                "storage_options": storage_options},
         compute=generation_actors(generation["actors"]),
         num_cpus=generation["num_cpus"], num_gpus=generation["num_gpus"], **extra,
@@ -108,15 +109,6 @@ def check_room(generation: dict, extract: dict) -> None:
                           f"for the extraction actors, which need {extraction:g} (features.extract.actors x "
                           "features.extract.num_cpus); reserve fewer (the engine's threads are set by "
                           "VLLM_CPU_OMP_THREADS_BIND, not by this reservation)")
-
-
-def vllm_cpu_env() -> dict[str, str]:
-    """The driver's ``VLLM_CPU_*`` settings for the engine actors (e.g. ``VLLM_CPU_OMP_THREADS_BIND``),
-    with the KV-cache reserve defaulted."""
-    from specdec.vllm_engine import CPU_KV_CACHE_GIB
-
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
-    return {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB, **env}
 
 
 def check_vllm_cpu_build() -> None:
