@@ -9,19 +9,20 @@ cluster of the machine's own CPUs, whose engine boots the whole module shares.
 * routing by the ingress's own count: two requests held open (a long answer, read a chunk at
   a time) fill ``speculative_max_inflight=2``, so the next one decodes in the plain pool, exact,
   under the public name; closing the held streams frees their slots;
-* the engine replica reads vLLM's spec-decode counters in-process: ``/metrics`` carries them
-  under the hf backend's names and the autoscaling policy gets tau, tokens/s and ongoing;
-* the plain pool autoscales on its own bounds (``plain_max_replicas``) with the shared policy,
-  fed by its engine replica's counters (tau 1: no drafter): sustained load adds a replica, idling
-  removes it, and /metrics' gauges add up over the replicas;
+* the engine replicas read vLLM's counters in-process: ``/metrics`` carries the spec-decode ones
+  under the hf backend's names, one gauge per replica, and the autoscaling policy gets tau, tokens/s
+  and ongoing from each pool (tau 1 from the plain one: no drafter);
 * a promotion (``@champion`` moved to version 2) under load rolls the speculative engine
-  replica by itself (the ingress's registry watcher redeploys the app), nothing else, and no
-  request fails.
+  replica by itself (the ingress's registry watcher redeploys the app), nothing else, no
+  request fails, and the stopped replica's gauges leave /metrics with it.
+
+The shared policy scaling real Serve replicas up and down is tests/test_serve_autoscaling.py's
+(the same policy function; the vLLM pools' bounds and policy: tests/test_serve_units.py).
 
 Every wait polls for a condition the test itself causes, under an outer bound only a bug reaches.
-About 7 minutes on 2 cores (four engine boots: the two pools, the plain pool's second replica,
-the promoted version), the only vLLM Serve instance of the suite besides the two-node one
-(tests/test_serve_vllm.py): the engines are what costs, so one app is tested for everything.
+About 3 minutes alone on 2 cores (three engine boots: the two pools, the promoted version), the only
+vLLM Serve instance of the suite besides the two-node one (tests/test_serve_vllm.py): the engines
+are what costs, so one app is tested for everything.
 """
 
 import itertools
@@ -41,7 +42,7 @@ import torch
 from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
 from serve_app.metrics import scrape_totals
 from serve_helpers import (FAST_METRICS, free_port, ingress_fastapi_app, load_until, private_dir, register_drafter,
-                           replica_states, restore_env, route_statuses, wait_for)
+                           restore_env, route_statuses, wait_for)
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.prompts import load_prompts
 from specdec.target import load_target
@@ -61,17 +62,13 @@ ENGINE = f"DFlashLLMServer:{MODEL}"
 SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
 
 
-#: the speculative pool stays at one replica, the plain pool may grow to two; the policy acts
-#: within seconds. One replica's capacity is CAPACITY requests (tau 1 there): the exactness test's
-#: 8 at once stay within it, the scaling test's clients are twice as many
+#: one replica per pool (the policy runs, fed by the replicas' stats, within its bounds); one
+#: replica's capacity is CAPACITY requests: the exactness test's 8 at once stay within it
 CAPACITY = 10
-#: half a CPU per engine replica: the two pools, the plain pool's second replica and the hot
-#: swap's surge replica fit a 2-CPU node (the app's builder checks it against the cluster)
-SCALING = {"replica_cpus": 0.5, "min_replicas": 1, "max_replicas": 1, "plain_max_replicas": 2,
-           "target_ongoing_requests": CAPACITY,
-           # down only after 15 s below target: the load's clients all finish at once, then send
-           # again, and that dip must not stop the replica the load is starting
-           "upscale_delay_s": 0, "downscale_delay_s": 15, "look_back_period_s": 4, "metrics_interval_s": 0.5,
+#: half a CPU per engine replica: the two pools and the hot swap's surge replica fit a 2-CPU
+#: node (the app's builder checks it against the cluster)
+SCALING = {"replica_cpus": 0.5, "min_replicas": 1, "max_replicas": 1, "plain_max_replicas": 1,
+           "target_ongoing_requests": CAPACITY, "look_back_period_s": 4, "metrics_interval_s": 0.5,
            "metrics_push_s": 0.5}
 
 
@@ -284,27 +281,36 @@ def _totals(url: str, headers: dict = AUTH) -> dict:
 
 
 def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
-    """While the test's requests run, the engine replica reports ongoing requests, tokens/s and
-    a tau above 1 to the policy; /metrics shows the drafts vLLM counted under the hf names."""
+    """While the test's requests run, each pool's engine replica reports ongoing requests and
+    tokens/s to the policy, with a tau above 1 where it speculates and exactly 1 in the plain pool;
+    /metrics shows the drafts vLLM counted under the hf names and one gauge per replica."""
     from ray import serve
 
     prompts = itertools.cycle([p.messages for p in load_prompts("sharegpt", split="holdout", limit=4)])
-    server = serve.get_deployment_handle(ENGINE, "spec")
-    seen = []
+    servers = {pool: serve.get_deployment_handle(f"DFlashLLMServer:{pool}", "spec") for pool in (MODEL, PLAIN_POOL)}
+    seen = {pool: [] for pool in servers}
 
     def busy():
-        stats = server.record_autoscaling_stats.remote().result()
-        seen.append(stats)
-        return stats[METRIC_ONGOING] > 0 and stats[METRIC_TPS] > 0 and stats[METRIC_TAU] > 1
+        for pool, server in servers.items():
+            seen[pool].append(server.record_autoscaling_stats.remote().result())
+        spec, plain = seen[MODEL][-1], seen[PLAIN_POOL][-1]
+        return all(s[METRIC_ONGOING] > 0 and s[METRIC_TPS] > 0 for s in (spec, plain)) and spec[METRIC_TAU] > 1
 
-    def send():  # 2 clients: both speculate (the app's bound is 2)
+    models = itertools.cycle([MODEL, MODEL, PLAIN_POOL])
+
+    def send():  # 3 clients: two speculate (the app's bound is 2), one asks the plain pool by name
         return requests.post(f"{apps['url']}/v1/chat/completions", headers=AUTH, timeout=600, json={
-            "model": MODEL, "messages": next(prompts), "max_tokens": MAX_TOKENS, "temperature": 0})
+            "model": next(models), "messages": next(prompts), "max_tokens": MAX_TOKENS, "temperature": 0})
 
-    errors, _ = load_until(send, busy, clients=2, timeout=600, interval=0.2, what="autoscaling stats under load")
+    errors, _ = load_until(send, busy, clients=3, timeout=600, interval=0.2, what="autoscaling stats under load")
     assert not errors, errors[:2]
-    stats = next(s for s in reversed(seen) if s[METRIC_ONGOING] > 0 and s[METRIC_TAU] > 1)
+    stats = next(s for s in reversed(seen[MODEL]) if s[METRIC_ONGOING] > 0 and s[METRIC_TAU] > 1)
     assert stats[METRIC_TAU] <= MAX_TOKENS
+    busy_plain = [s for s in seen[PLAIN_POOL] if s[METRIC_ONGOING] > 0]
+    assert busy_plain and all(s[METRIC_TAU] == 1.0 for s in busy_plain), seen[PLAIN_POOL][-3:]
+    # one block-size gauge per reporting replica: the plain one's 1, the speculative one's B
+    sizes = wait_for(lambda: len(b := _block_sizes(apps["url"])) == 2 and b, 120, what="both pools in /metrics")
+    assert sizes[0] == 1 and sizes[1] > 1, sizes
     spec = wait_for(lambda: (t := _totals(apps["url"]))["accepted_length_count"] > 0 and t, 30,
                     what="spec-decode counters in /metrics")
     assert spec["generated_tokens_total"] > 0 and spec["block_size"] > 1
@@ -315,49 +321,6 @@ def test_metrics_and_autoscaling_stats_from_vllm_counters(apps):
     assert spec["drafter_info"] == {"source": f"models:/{NAME}@champion", "version": "1"}
     card = requests.get(f"{apps['url']}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
     assert card["metadata"]["drafter"] == [{"source": f"models:/{NAME}@champion", "version": "1"}]
-
-
-PLAIN_ENGINE = f"DFlashLLMServer:{PLAIN_POOL}"
-
-
-def test_sustained_load_grows_the_plain_pool_and_idle_shrinks_it(apps):
-    """The plain pool follows the shared autoscaling policy, fed by its engine replica's own
-    counters: 2 x CAPACITY clients sending to it start a second engine replica (no request
-    fails meanwhile; the replica reports tau 1, it has no drafter) whose gauges join /metrics'
-    (one per replica), and idling stops it again, its gauges leaving with it."""
-    from ray import serve
-
-    url = apps["url"]
-    states = lambda: replica_states("spec", PLAIN_ENGINE)  # noqa: E731
-    assert states() == {"RUNNING": 1}
-    # one block-size gauge per reporting replica: the speculative one's B, the plain one's 1
-    one = wait_for(lambda: len(b := _block_sizes(url)) == 2 and b, 120, what="both pools' replicas in /metrics")
-    assert one[0] == 1 and one[1] > 1, one
-    plain = serve.get_deployment_handle(PLAIN_ENGINE, "spec")
-    seen = []
-
-    lengths = itertools.cycle(range(16, 49, 3))  # answers of different lengths: the clients do not finish together
-
-    def send():
-        return requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
-            "model": PLAIN_POOL, "messages": SHORT, "max_tokens": next(lengths), "temperature": 0,
-            "ignore_eos": True})
-
-    def grown():  # the load goes on until the new replica also reports to /metrics
-        seen.append(plain.record_autoscaling_stats.remote().result())
-        return states().get("RUNNING", 0) == 2 and _block_sizes(url) == [1, *one]
-
-    errors, up_s = load_until(send, grown, clients=2 * CAPACITY, timeout=600, interval=1,
-                              what="a second plain engine replica, in /metrics")
-    assert not errors, errors[:2]
-    busy = [s for s in seen if s[METRIC_ONGOING] > 0]
-    assert busy and all(s[METRIC_TAU] == 1.0 for s in busy), seen[-3:]
-    t1 = time.monotonic()
-    wait_for(lambda: states() == {"RUNNING": 1}, 300, interval=1, what="the plain pool back to one replica")
-    print(f"plain pool: scaled up in {up_s:.1f}s under load, down in {time.monotonic() - t1:.1f}s when idle")
-    # the stopped replica's gauges leave /metrics once its last report expires
-    wait_for(lambda: _block_sizes(url) == one, 120, what="the stopped replica's metrics gone")
-    assert _chat(url, SHORT, model=PLAIN_POOL)["finish"] == "stop"
 
 
 def _block_sizes(url: str) -> list[float]:
@@ -416,6 +379,10 @@ def test_a_promotion_rolls_the_engines_to_the_new_version(apps):
     after = _replica_ids("spec")
     changed = {name for name in before if before[name] != after.get(name)}
     assert changed == {f"DFlashLLMServer:{MODEL}"}, (before, after)
+    # the stopped replica's gauges leave /metrics once its last report expires: one per live replica
+    sizes = wait_for(lambda: len(b := _block_sizes(url)) == 2 and b, 120, what="the stopped replica's gauges gone")
+    assert sizes[0] == 1 and sizes[1] > 1, sizes
+    assert _totals(url)["drafter_info"] == {"source": f"models:/{NAME}@champion", "version": "2"}
 
 
 def _replica_ids(app: str) -> dict[str, set[str]]:
