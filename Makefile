@@ -41,7 +41,7 @@ endif
 assets: $(ASSETS)
 
 $(ASSETS): $(STAMP)
-	$(BIN)/python -m specdec.assets --prepare
+	$(BIN)/python -m specdec.prepare
 	@touch $(ASSETS)
 
 # the suite in 2 lanes, a process per module (the unit tier shares one), each module's seconds

@@ -27,327 +27,38 @@ records what runs. ``down`` stops exactly the processes this stack started (neve
 
 Exit codes: 0 ok; 1 failed (the message says why); ``status``: 3 when the stack is not
 running or a component does not answer.
+
+This file is the commands (``up``'s start sequence, ``down``, ``status``, ``env``, the CLI);
+what a stack is (state, ports, environment) is ``stack_state.py``'s, its processes and health
+``stack_processes.py``'s. Just over 400 lines as one room: ``up`` is one sequence (ports, Ray
+head, MLflow, S3, waiting, rolling back a failed start) read top to bottom.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
-import fcntl
 import hashlib
-import importlib.util
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
-MARKER_ENV = "DFLASH_STACK_ID"  # every process the stack starts carries it
-STATE_FILE, ENV_FILE, LOCK_FILE = "stack.json", "stack.env", ".lock"
-DEFAULT_STATE_DIR = "runs/stack"
-DEFAULT_BUCKET = "dflash"
-DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "client": 10001, "agent": 52365,
-                 "mlflow": 5000, "s3": 9000}
+from cluster.stack_processes import component_pids, health, http_request, stack_processes, stop_all, wait_until
+from cluster.stack_state import (DEFAULT_BUCKET, DEFAULT_PORTS, DEFAULT_STATE_DIR, ENV_FILE, MARKER_ENV, STATE_FILE,
+                                 StackError, auth_headers, bin_dir, free_port, head_env, load_state, locked,
+                                 log_tail, port_busy, ray_token, save_state, stack_env, utc_now, write_env_file)
+
 # Ray puts unix sockets under <temp>/session_<date>_<pid>/sockets/...; paths over 107
 # bytes do not work, so a long state dir gets its Ray temp dir under /tmp instead.
 _MAX_RAY_TEMP_LEN = 40  # plasma socket paths past ~107 bytes make `ray start` fail
 _PORT_TAKEN = 75  # internal: start failed because a port was taken (retried once)
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                  "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
 
 
-class StackError(RuntimeError):
-    """A failure with a message for the user (no traceback)."""
-
-
-# ----------------------------------------------------------------------------- helpers
-def _now() -> str:
-    return _dt.datetime.now().isoformat(timespec="seconds")
-
-
-def _free_port(taken: set[int]) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            taken.add(port)
-            return port
-
-
-def _port_busy(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _http(url: str, method: str = "GET", headers: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
-    """(status, body); status 0 when nothing answers."""
-    req = urllib.request.Request(url, method=method, headers=headers or {})
-    if method == "PUT":
-        req.data = b""
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read(4096).decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(4096).decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, ""
-
-
-def _tail(path: Path, n: int = 25) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line for line in lines[-n:])
-
-
-def _bin_dir() -> str:
-    # The directory of *this* interpreter (a venv's bin, not the symlink target), so that
-    # `python` in a job's entrypoint is the interpreter that has the project installed.
-    return os.path.dirname(os.path.abspath(sys.executable))
-
-
-def _ray_token() -> str | None:
-    """The token ``ray job submit`` would send (same lookup order as Ray)."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    for path in (os.environ.get("RAY_AUTH_TOKEN_PATH"), Path.home() / ".ray" / "auth_token"):
-        if path and Path(path).is_file():
-            token = Path(path).read_text().strip()
-            if token:
-                return token
-    return None
-
-
-def _auth_headers(state: dict) -> dict:
-    if not state["ray"].get("auth"):
-        return {}
-    token = _ray_token()
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-@contextlib.contextmanager
-def _locked(state_dir: Path):
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with open(state_dir / LOCK_FILE, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another `cluster.stack` command on {state_dir} ...", file=sys.stderr)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
-def load_state(state_dir: Path) -> dict | None:
-    try:
-        return json.loads((state_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _save_state(state: dict) -> None:
-    path = Path(state["state_dir"]) / STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(path)
-
-
-# ----------------------------------------------------------------------------- processes
-def stack_processes(state: dict) -> list:
-    """Every live process that belongs to this stack: processes carrying its marker in
-    their environment, Ray processes started with its temp dir, the recorded server pids,
-    and all their descendants (Ray workers rename themselves, which hides their
-    environment, but they stay children of the raylet)."""
-    import psutil
-
-    marker, temp_dir = state["id"], state["ray"]["temp_dir"]
-    spec = importlib.util.find_spec("ray")
-    ray_dir = os.path.dirname(spec.origin) if spec and spec.origin else None
-    python = os.path.realpath(sys.executable)
-    own = {os.getpid(), os.getppid()}
-    found: dict[int, object] = {}
-    for p in psutil.process_iter(["pid", "cmdline", "exe"]):
-        if p.pid in own:
-            continue
-        try:
-            env = p.environ()
-        except (psutil.Error, OSError):
-            env = {}
-        hit = env.get(MARKER_ENV) == marker
-        if not hit:
-            cmd = " ".join(p.info["cmdline"] or [])
-            exe = p.info["exe"] or ""
-            ours = exe == python or (ray_dir is not None and exe.startswith(ray_dir))
-            hit = ours and (f"{temp_dir}/session_" in cmd or f"temp-dir={temp_dir}" in cmd
-                            or f"temp_dir={temp_dir}" in cmd)
-        if hit:
-            found[p.pid] = p
-    for comp in ("mlflow", "s3"):
-        pid = (state.get(comp) or {}).get("pid")
-        if pid and pid not in found:
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if _started_by_us(p, state):
-                    found[pid] = p
-    for p in list(found.values()):
-        with contextlib.suppress(psutil.Error):
-            for c in p.children(recursive=True):
-                if c.pid not in own:
-                    found.setdefault(c.pid, c)
-    return [p for p in found.values() if _running(p)]
-
-
-def _started_by_us(p, state: dict) -> bool:
-    """A recorded pid is ours only if it was created after the stack (pid reuse)."""
-    try:
-        return p.create_time() >= state.get("created_unix", 0) - 1
-    except Exception:
-        return False
-
-
-def _component_pids(state: dict) -> dict[str, list[int]]:
-    """Live pids per component (ray, mlflow, s3)."""
-    import psutil
-
-    procs = stack_processes(state)
-    out: dict[str, list[int]] = {"ray": [], "mlflow": [], "s3": []}
-    roots = {comp: (state.get(comp) or {}).get("pid") for comp in ("mlflow", "s3")}
-    tree: dict[int, str] = {}
-    for comp, pid in roots.items():
-        if pid:
-            tree[pid] = comp
-            with contextlib.suppress(psutil.Error):
-                for c in psutil.Process(pid).children(recursive=True):
-                    tree[c.pid] = comp
-    for p in procs:
-        out[tree.get(p.pid, "ray")].append(p.pid)
-    return out
-
-
-def terminate(procs: list, grace_s: float = 10.0) -> list:
-    """SIGTERM, wait, SIGKILL what is left; returns the processes still alive."""
-    import psutil
-
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGKILL)
-    _, alive = psutil.wait_procs(alive, timeout=5.0)
-    return [p for p in alive if _running(p)]
-
-
-def _running(p) -> bool:
-    """Alive and not a zombie (an exited process whose parent has not reaped it yet)."""
-    import psutil
-
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def stop_all(state: dict, grace_s: float = 10.0) -> tuple[int, list[int]]:
-    """Stop every process of the stack; rescans (a dying raylet may still spawn).
-    Returns (number stopped, pids that survived)."""
-    stopped, seen = 0, set()
-    for _ in range(4):
-        procs = stack_processes(state)
-        if not procs:
-            return stopped, []
-        seen.update(p.pid for p in procs)
-        alive = terminate(procs, grace_s)
-        stopped = len(seen)
-        if alive:
-            time.sleep(1.0)
-    left = stack_processes(state)
-    return stopped, sorted(p.pid for p in left)
-
-
-# ----------------------------------------------------------------------------- health
-def health(state: dict) -> dict[str, dict]:
-    """Per component: {"up": bool, "detail": str}."""
-    out: dict[str, dict] = {}
-    r = state["ray"]
-    code, _ = _http(r["dashboard_url"] + "/api/gcs_healthz", timeout=3)
-    if code == 200:
-        code2, _ = _http(r["dashboard_url"] + "/api/version", headers=_auth_headers(state), timeout=3)
-        out["ray"] = {"up": code2 == 200, "detail": "" if code2 == 200 else f"job API answered {code2}"}
-    else:
-        out["ray"] = {"up": False, "detail": "dashboard does not answer" if code == 0 else f"GCS health {code}"}
-    m = state["mlflow"]
-    code, _ = _http(m["url"] + "/health", timeout=3)
-    out["mlflow"] = {"up": code == 200, "detail": "" if code == 200 else ("no answer" if code == 0 else f"HTTP {code}")}
-    if state.get("s3"):
-        code, _ = _http(state["s3"]["endpoint"] + "/", timeout=3)
-        out["s3"] = {"up": code == 200, "detail": "" if code == 200 else ("no answer" if code == 0 else f"HTTP {code}")}
-    return out
-
-
-def _wait(what: str, check, timeout_s: float, proc=None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise StackError(f"{what} exited with code {proc.returncode} while starting; "
-                             f"last lines of {log}:\n{_tail(log) if log else ''}")
-        time.sleep(0.5)
-    raise StackError(f"{what} did not answer within {timeout_s:.0f} s"
-                     + (f"; last lines of {log}:\n{_tail(log)}" if log else ""))
-
-
-# ----------------------------------------------------------------------------- env file
-def stack_env(state: dict) -> dict[str, str]:
-    """The settings a shell (and every job on the head) needs to use the stack."""
-    r = state["ray"]
-    env = {
-        # GCS address: ray.init(), `serve run`, `ray status` join the stack with it.
-        "RAY_ADDRESS": r["gcs_address"],
-        # Jobs API: `ray job submit/status/logs` (takes precedence over RAY_ADDRESS).
-        "RAY_API_SERVER_ADDRESS": r["dashboard_url"],
-        # `serve deploy/status` (dashboard).
-        "RAY_DASHBOARD_ADDRESS": r["dashboard_url"],
-    }
-    if r.get("auth"):
-        env["RAY_AUTH_MODE"] = "token"
-    env.update(head_env(state))
-    return env
-
-
-def head_env(state: dict) -> dict[str, str]:
-    """What the Ray head (hence every job) gets: the stack's settings except the Ray
-    addresses, which Ray sets for its own processes."""
-    env = {"MLFLOW_TRACKING_URI": state["mlflow"]["url"]}
-    if state.get("s3"):
-        s3 = state["s3"]
-        env.update({"AWS_ENDPOINT_URL": s3["endpoint"], "AWS_ENDPOINT_URL_S3": s3["endpoint"],
-                    **S3_CREDENTIALS, "DFLASH_S3_BUCKET": s3["bucket"], "DFLASH_STORAGE": f"s3://{s3['bucket']}"})
-    return env
-
-
-def _write_env_file(state: dict) -> Path:
-    path = Path(state["state_dir"]) / ENV_FILE
-    lines = [f"# Written by `python -m cluster.stack up` at {state['started_at']}; removed by `down`.",
-             f"# Use it with:  source {path}", ""]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in stack_env(state).items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-# ----------------------------------------------------------------------------- up
 def _choose_ports(args) -> dict[str, int]:
     explicit = {"ray": args.ray_port, "dashboard": args.dashboard_port, "mlflow": args.mlflow_port,
                 "s3": args.s3_port}
@@ -359,10 +70,10 @@ def _choose_ports(args) -> dict[str, int]:
         elif args.default_ports:
             ports[name] = DEFAULT_PORTS[name]
         else:
-            ports[name] = _free_port(taken)
+            ports[name] = free_port(taken)
     if not args.s3:
         ports.pop("s3")
-    busy = [f"{name} {port}" for name, port in ports.items() if _port_busy(port)]
+    busy = [f"{name} {port}" for name, port in ports.items() if port_busy(port)]
     if busy:
         raise StackError("port(s) already in use: " + ", ".join(busy)
                          + " (drop --default-ports to use free ports, or choose others)")
@@ -381,7 +92,7 @@ def _ensure_token(env: dict) -> bool:
     """Token auth unless the user disabled it; creates ~/.ray/auth_token if missing."""
     if env.get("RAY_AUTH_MODE", "").lower() == "disabled":
         return False
-    if _ray_token() is None:
+    if ray_token() is None:
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=120)
     env["RAY_AUTH_MODE"] = "token"
@@ -390,7 +101,7 @@ def _ensure_token(env: dict) -> bool:
 
 def up(args) -> int:
     state_dir = Path(args.state_dir).absolute()
-    with _locked(state_dir):
+    with locked(state_dir):
         old = load_state(state_dir)
         if old is not None:
             h = health(old)
@@ -432,7 +143,7 @@ def _start(args, state_dir: Path) -> int:
     base = _base_env(state["id"])
     try:
         state["ray"]["auth"] = _ensure_token(base)
-        _save_state(state)  # from here on, `down` can clean up whatever got started
+        save_state(state)  # from here on, `down` can clean up whatever got started
 
         # MLflow and S3 first: their addresses go into the Ray head's environment.
         mlflow_log = logs / "mlflow.log"
@@ -443,7 +154,7 @@ def _start(args, state_dir: Path) -> int:
             s3_proc = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(ports["s3"])],
                              base, state_dir, s3_log)
             state["s3"]["pid"] = s3_proc.pid
-        _save_state(state)
+        save_state(state)
 
         _start_ray_head(args, state, {**base, **head_env(state)}, logs / "ray-start.log", ports, temp_dir)
         _wait_until_answering(args, state, (mlflow_proc, mlflow_log), (s3_proc, s3_log), temp_dir)
@@ -453,8 +164,8 @@ def _start(args, state_dir: Path) -> int:
             raise
         return rc
     state["status"] = "running"
-    _save_state(state)
-    env_path = _write_env_file(state)
+    save_state(state)
+    env_path = write_env_file(state)
     print(f"stack is up (state in {state_dir})")
     _print_summary(state, health(state))
     print(f"\n  source {_rel(env_path)}\n  ray job submit --working-dir . -- python jobs/generate_features.py "
@@ -465,7 +176,7 @@ def _start(args, state_dir: Path) -> int:
 def _new_state(args, state_dir: Path, ports: dict[str, int], temp_dir: Path) -> dict:
     """The state record of a stack about to start (``stack.json``): addresses, no pids yet."""
     return {
-        "version": 1, "id": uuid.uuid4().hex, "state_dir": str(state_dir), "started_at": _now(),
+        "version": 1, "id": uuid.uuid4().hex, "state_dir": str(state_dir), "started_at": utc_now(),
         "created_unix": time.time(), "python": sys.executable, "status": "starting",
         "ray": {"port": ports["ray"], "dashboard_url": f"http://127.0.0.1:{ports['dashboard']}",
                 "temp_dir": str(temp_dir), "gcs_address": None, "num_cpus": args.num_cpus,
@@ -483,7 +194,7 @@ def _base_env(stack_id: str) -> dict[str, str]:
     cluster's addresses, the venv's bin first, and the marker that finds them again."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_DASHBOARD_ADDRESS", MARKER_ENV)}
-    base["PATH"] = _bin_dir() + os.pathsep + base.get("PATH", "")
+    base["PATH"] = bin_dir() + os.pathsep + base.get("PATH", "")
     base[MARKER_ENV] = stack_id
     base.setdefault("PYTHONUNBUFFERED", "1")
     return base
@@ -530,13 +241,13 @@ def _start_ray_head(args, state: dict, env: dict, log: Path, ports: dict[str, in
                                 stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             raise StackError(f"`ray start --head` did not return within {args.timeout:.0f} s; "
-                             f"last lines of {log}:\n{_tail(log)}") from None
+                             f"last lines of {log}:\n{log_tail(log)}") from None
     if rc != 0:
-        raise StackError(f"`ray start --head` failed (exit {rc}); last lines of {log}:\n{_tail(log)}")
+        raise StackError(f"`ray start --head` failed (exit {rc}); last lines of {log}:\n{log_tail(log)}")
     addr_file = temp_dir / "ray_current_cluster"
-    _wait("Ray head (GCS address file)", addr_file.is_file, 30)
+    wait_until("Ray head (GCS address file)", addr_file.is_file, 30)
     state["ray"]["gcs_address"] = addr_file.read_text().strip()
-    _save_state(state)
+    save_state(state)
 
 
 def _wait_until_answering(args, state: dict, mlflow: tuple, s3: tuple, temp_dir: Path) -> None:
@@ -545,20 +256,20 @@ def _wait_until_answering(args, state: dict, mlflow: tuple, s3: tuple, temp_dir:
     deadline = time.monotonic() + args.timeout
     left = lambda: max(5.0, deadline - time.monotonic())  # noqa: E731
     mlflow_proc, mlflow_log = mlflow
-    _wait("MLflow server", lambda: _http(state["mlflow"]["url"] + "/health", timeout=2)[0] == 200,
+    wait_until("MLflow server", lambda: http_request(state["mlflow"]["url"] + "/health", timeout=2)[0] == 200,
           left(), mlflow_proc, mlflow_log)
     s3_proc, s3_log = s3
     if s3_proc is not None:
         endpoint = state["s3"]["endpoint"]
-        _wait("S3 API (moto)", lambda: _http(endpoint + "/", timeout=2)[0] == 200, left(), s3_proc, s3_log)
-        code, body = _http(f"{endpoint}/{args.bucket}", method="PUT", timeout=10)
+        wait_until("S3 API (moto)", lambda: http_request(endpoint + "/", timeout=2)[0] == 200, left(), s3_proc, s3_log)
+        code, body = http_request(f"{endpoint}/{args.bucket}", method="PUT", timeout=10)
         if code not in (200, 409):
             raise StackError(f"could not create bucket {args.bucket!r}: HTTP {code} {body[:200]}")
     dash = state["ray"]["dashboard_url"]
-    headers = _auth_headers(state)
-    _wait("Ray dashboard", lambda: _http(dash + "/api/gcs_healthz", timeout=2)[0] == 200, left(),
+    headers = auth_headers(state)
+    wait_until("Ray dashboard", lambda: http_request(dash + "/api/gcs_healthz", timeout=2)[0] == 200, left(),
           log=temp_dir / "session_latest" / "logs" / "dashboard.log")
-    _wait("Ray job API", lambda: _http(dash + "/api/jobs/", headers=headers, timeout=3)[0] == 200, left(),
+    wait_until("Ray job API", lambda: http_request(dash + "/api/jobs/", headers=headers, timeout=3)[0] == 200, left(),
           log=temp_dir / "session_latest" / "logs" / "dashboard_JobHead.log")
 
 
@@ -598,7 +309,6 @@ def _print_summary(state: dict, h: dict) -> None:
         print(f"  s3      {mark('s3')}  {s['endpoint']}   bucket s3://{s['bucket']} (in memory)")
 
 
-# ----------------------------------------------------------------------------- down / status
 def _stop(state: dict, grace_s: float) -> tuple[int, list[int]]:
     stopped, left = stop_all(state, grace_s)
     state_dir = Path(state["state_dir"])
@@ -610,7 +320,7 @@ def _stop(state: dict, grace_s: float) -> tuple[int, list[int]]:
 
 def down(args) -> int:
     state_dir = Path(args.state_dir).absolute()
-    with _locked(state_dir):
+    with locked(state_dir):
         state = load_state(state_dir)
         if state is None:
             print(f"not running (no {STATE_FILE} in {state_dir})")
@@ -634,7 +344,7 @@ def status(args) -> int:
             print(f"not running (no {STATE_FILE} in {state_dir})")
         return 3
     h = health(state)
-    pids = _component_pids(state)
+    pids = component_pids(state)
     ok = all(c["up"] for c in h.values())
     if args.json:
         print(json.dumps({"running": ok, "state_dir": str(state_dir), "components": h, "pids": pids,
@@ -659,7 +369,6 @@ def env_cmd(args) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.stack",
                                  description="Local stack: Ray head + dashboard, MLflow server, optional S3 API.")

@@ -15,6 +15,11 @@ HTTP, where the time goes per token (prefill / draft / verify / overhead, from /
 
 Re-running reuses every stage whose result is recorded in ``<out>/demo.json`` and still
 exists; the served apps keep running, and ``stop`` (``make demo-stop``) ends them and the stack.
+
+One room over 400 lines: :class:`Demo` is the stage sequence, one method per stage over the
+state they share (``demo.json``), read top to bottom as the stages run. What it prints is
+``demo_console.py``'s, its summary numbers ``demo_metrics.py``'s, its processes (and ``stop``)
+``demo_processes.py``'s.
 """
 
 from __future__ import annotations
@@ -22,26 +27,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import re
-import shlex
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.demo_console import (HEARTBEAT_S, DemoError, TrainProgress, elapsed, evaluation_progress,
+                                  features_progress, run_logged, say)
+from harness.demo_metrics import app_metrics, metrics_delta, plot_summary, settled_metrics
+from harness.demo_processes import STATE, alive, http_get, port_or_free
 
 ROOT = Path(__file__).resolve().parents[1]
 # this interpreter's bin (a venv's, not the symlink target): ray, serve and python that have the project
 BIN = Path(os.path.dirname(os.path.abspath(sys.executable)))
 APPS = {"dflash": "", "ar": "/ar"}  # served app -> route prefix
-STATE = "demo.json"
-HEARTBEAT_S = 10.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
@@ -79,110 +80,6 @@ class DemoConfig:
                 raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
 
 
-class DemoError(RuntimeError):
-    """A stage failed; the message names it and its log."""
-
-
-# ----------------------------------------------------------------------------- console
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def _elapsed(s: float) -> str:
-    return f"{int(s) // 60}m{int(s) % 60:02d}s" if s >= 60 else f"{s:.0f}s"
-
-
-def features_progress(line: str) -> str | None:
-    """A committed shard's progress line -> 'shards 2/4 · 0.51 prompts/s · eta 40 s'."""
-    m = re.search(r"(\d+)/(\d+) shards, eta (\d+) s \| (\d+) rows ([\d.]+) rows/s \| \S+ tok/s "
-                  r"\(generated (\S+) tok/s\)", line)
-    if m:
-        done, total, eta, _, rate, gen = m.groups()
-        return f"shards {done}/{total} · {float(rate):.2f} prompts/s · {gen} generated tok/s · eta {eta} s"
-    m = re.search(r"(\d+) shards planned, (\d+) already committed", line)
-    if m:
-        return f"shards {m.group(2)}/{m.group(1)} · the target is answering the first shard's prompts"
-    if "is already committed" in line:
-        return "already committed: nothing to do"
-    return None
-
-
-class TrainProgress:
-    """Training progress lines -> 'step 20/60 · 0.4 steps/s · loss 5.1 · tau 1.05'."""
-
-    def __init__(self, total: int):
-        self.total, self.first = total, None
-
-    def __call__(self, line: str) -> str | None:
-        m = re.search(r"\[train\] step (\d+) \|.*?loss ([\d.]+) \| tau ([\d.]+)", line)
-        if m is None:
-            if m2 := re.search(r"\[eval\] step (\d+) \|.*?holdout tau ([\d.]+)", line):
-                return f"step {m2.group(1)}/{self.total} · held-out tau {float(m2.group(2)):.3f}"
-            for needle, status in (("prepared run", "starting the Ray Train worker group"),
-                                   ("Started training worker group", "worker group up: reading shards, first steps"),
-                                   ("Ray Train finished", "exporting the drafter, registering it in MLflow")):
-                if needle in line:
-                    return status
-            return None
-        step, loss, tau = int(m.group(1)), float(m.group(2)), float(m.group(3))
-        now = time.monotonic()
-        self.first = self.first or (step, now)
-        rate = (step - self.first[0]) / (now - self.first[1]) if now > self.first[1] else 0.0
-        speed = f" · {rate:.2f} steps/s · eta {(self.total - step) / rate:.0f} s" if rate > 0 else ""
-        return f"step {step}/{self.total}{speed} · loss {loss:.3f} · tau {tau:.3f}"
-
-
-def evaluation_progress(line: str) -> str | None:
-    """A tqdm bar ('benchmark:  50%|###  | 2/4 [00:10<00:10, 5.1s/batch]') -> 'benchmark 2/4 · 5.1s/batch · eta 00:10'."""
-    m = re.search(r"(\w+):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)\s*\[[^<\]]*<([^,\]]*),\s*([^\]]+)\]", line)
-    return f"{m.group(1)} {m.group(2)}/{m.group(3)} · {m.group(5).strip()} · eta {m.group(4)}" if m else None
-
-
-def run_logged(title: str, cmd: list[str], log: Path, env: dict, progress=None) -> tuple[int, list[str]]:
-    """Run ``cmd`` with its output in ``log``; print a line at least every 10 s (the last
-    progress ``progress(line)`` made of the output, else 'running'). Returns (exit code, lines)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-    q: queue.Queue = queue.Queue()
-    with open(log, "a") as f:
-        f.write(f"\n$ {shlex.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1, start_new_session=True)
-
-        def pump():
-            for line in proc.stdout:
-                q.put(line)
-            q.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        t0 = last = time.monotonic()
-        status = None
-        try:
-            while True:
-                try:
-                    line = q.get(timeout=1.0)
-                except queue.Empty:
-                    line = ""
-                if line is None:
-                    break
-                if line:
-                    f.write(line)
-                    clean = _ANSI.sub("", line).rstrip("\n")
-                    lines.append(clean)
-                    status = (progress(clean) if progress else None) or status
-                now = time.monotonic()
-                if now - last >= HEARTBEAT_S:
-                    say(f"  {title}: {status or 'running'} · {_elapsed(now - t0)}")
-                    last = now
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-            raise
-        return proc.wait(), lines
-
-
-# ----------------------------------------------------------------------------- state
 class Demo:
     def __init__(self, cfg: DemoConfig):
         self.cfg = cfg
@@ -205,7 +102,7 @@ class Demo:
 
     def done(self, key: str, t0: float, line: str) -> None:
         self.times[key] = round(time.monotonic() - t0, 1)
-        say(f"  {line}  ({_elapsed(self.times[key])}; log: {self._rel(self.logs / (key + '.log'))})")
+        say(f"  {line}  ({elapsed(self.times[key])}; log: {self._rel(self.logs / (key + '.log'))})")
 
     def _rel(self, p: Path) -> str:
         try:
@@ -276,7 +173,7 @@ class Demo:
         if rc != 0:
             raise self.fail("stack", f"`cluster.stack up` exited {rc}", lines)
         sys.path.insert(0, str(ROOT))
-        from cluster.stack import load_state, stack_env
+        from cluster.stack_state import load_state, stack_env
 
         st = load_state(self.out / "stack")
         self.env.update(stack_env(st))
@@ -390,7 +287,7 @@ class Demo:
     def serve_config(self) -> Path:
         import yaml
 
-        port = self.state.get("serving", {}).get("port") or self.cfg.port or _port_or_free(8000)
+        port = self.state.get("serving", {}).get("port") or self.cfg.port or port_or_free(8000)
         common = {"target": self.cfg.target or "smollm2", "min_replicas": 1, "max_replicas": 1,
                   "torch_threads": 2, "max_batch_size": 4, "registry_poll_s": 10}
         spec = {**common, "drafter": "auto", "tracking_uri": self.tracking_uri, "lookup_block": self.cfg.lookup_block}
@@ -410,11 +307,11 @@ class Demo:
         return f"http://127.0.0.1:{self.state['serving']['port']}"
 
     def _apps_up(self) -> list[str]:
-        return [app for app, route in APPS.items() if _get(self.url + route + "/v1/models", 2.0)[0] == 200]
+        return [app for app, route in APPS.items() if http_get(self.url + route + "/v1/models", 2.0)[0] == 200]
 
     def serving(self) -> None:
         s = self.state.get("serving", {})
-        if s.get("pid") and _alive(s["pid"]) and s.get("tracking_uri") == self.tracking_uri \
+        if s.get("pid") and alive(s["pid"]) and s.get("tracking_uri") == self.tracking_uri \
                 and len(self._apps_up()) == len(APPS):
             say(f"\n[serving] reused: {self.url} (serve run, pid {s['pid']})")
             return
@@ -438,7 +335,7 @@ class Demo:
                                 log.read_text(errors="replace").splitlines())
             if time.monotonic() - last >= HEARTBEAT_S:
                 say(f"  serving: loading target + drafter · apps up {len(up)}/{len(APPS)} · "
-                    f"{_elapsed(time.monotonic() - t0)}")
+                    f"{elapsed(time.monotonic() - t0)}")
                 last = time.monotonic()
             time.sleep(1.0)
         self.done("serving", t0, f"up: {self.url} (speculative) and {self.url}/ar (AR)")
@@ -486,7 +383,7 @@ class Demo:
         after = {app: settled_metrics(self.url + route, before[app]["tokens"] + sum(r[app]["tokens"] for r in rows))
                  for app, route in APPS.items()}
         self.times["chat"] = round(time.monotonic() - t0, 1)
-        return {"model": model, "rows": rows, "metrics": {k: _delta(before[k], after[k]) for k in clients}}
+        return {"model": model, "rows": rows, "metrics": {k: metrics_delta(before[k], after[k]) for k in clients}}
 
     # ------------------------------------------------------------------------- summary
     def summary(self, chat: dict) -> dict:
@@ -577,143 +474,6 @@ class Demo:
 
 def _brief(d: dict | None) -> dict | None:
     return None if d is None else {k: v for k, v in d.items() if k != "tracking_uri"}
-
-
-# ----------------------------------------------------------------------------- metrics
-_TOTALS = {"prefill_s": "prefill_seconds_total", "draft_s": "draft_seconds_sum", "verify_s": "verify_seconds_sum",
-           "tokens": "generated_tokens_total", "cycles": "engine_cycles_total", "acc_sum": "accepted_length_sum",
-           "acc_count": "accepted_length_count"}
-
-
-def app_metrics(url: str) -> dict:
-    """Totals over an app's replicas from its /metrics."""
-    from serve_app.metrics import scrape_totals
-
-    code, text = _get(url + "/metrics", timeout=30)
-    if code != 200:
-        raise DemoError(f"{url}/metrics answered {code}")
-    t = scrape_totals(text)
-    return {k: t.get(name, 0.0) for k, name in _TOTALS.items()} | {
-        "draft_tokens": t["draft_tokens_total"], "accepted_draft_tokens": t["accepted_draft_tokens_total"],
-        "drafter": t["drafter_info"]}
-
-
-def settled_metrics(url: str, tokens: float, timeout: float = 60.0) -> dict:
-    """``app_metrics`` once the app's totals count at least ``tokens`` generated tokens:
-    replicas push their metrics every ``metrics_push_s``, and a loaded machine can take
-    longer than that, so a fixed sleep would read totals that miss the last requests."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = app_metrics(url)
-        if m["tokens"] >= tokens or time.monotonic() > deadline:
-            if m["tokens"] < tokens:
-                say(f"  warning: {url}/metrics still counts {m['tokens']:.0f} of {tokens:.0f} tokens after {timeout:.0f} s")
-            return m
-        time.sleep(0.5)
-
-
-def _delta(a: dict, b: dict) -> dict:
-    d = {k: b[k] - a[k] for k in _TOTALS}
-    for k in ("draft_tokens", "accepted_draft_tokens"):
-        d[k] = {s: b[k][s] - a[k].get(s, 0.0) for s in b[k]}
-    d["tau"] = d["acc_sum"] / d["acc_count"] if d["acc_count"] else None
-    d["drafter"] = b["drafter"]
-    return d
-
-
-def plot_summary(s: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    r = s["results"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["AR (target alone)", "speculative"]
-    rates = [r["ar"]["tokens_per_s"], r["speculative"]["tokens_per_s"]]
-    a1.bar(names, rates, color=["#999999", "#2a7ab9"])
-    for i, v in enumerate(rates):
-        a1.text(i, v, f"{v:.1f}", ha="center", va="bottom")
-    a1.set_ylabel("output tokens/s over HTTP")
-    tau = r["speculative"]["tau"]
-    a1.set_title(f"{r['speedup']:.2f}x AR" + (f", tau {tau:.2f}" if tau else "") + f", {s['chat']['requests']} requests")
-    bottom = [0.0, 0.0]
-    for part, color in (("prefill", "#cccccc"), ("draft", "#f28e2b"), ("verify", "#4e79a7"), ("overhead", "#e15759")):
-        vals = [r["ar"]["ms_per_token"][part], r["speculative"]["ms_per_token"][part]]
-        a2.bar(names, vals, bottom=bottom, label=part, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    a2.set_ylabel("ms per generated token")
-    a2.set_title("where the time goes")
-    a2.legend()
-    fig.suptitle(f"{s['model']}: served drafter {(s['serving']['drafter'] or {}).get('version') or ''} vs AR")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- processes
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    headers = {}
-    if os.environ.get("DFLASH_API_KEY"):
-        headers["Authorization"] = f"Bearer {os.environ['DFLASH_API_KEY']}"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, ""
-
-
-def _port_or_free(port: int) -> int:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def stop(out: Path | str = "runs/demo", grace_s: float = 20.0) -> int:
-    """``make demo-stop``: end ``serve run`` and the stack; check no process is left."""
-    import psutil
-
-    out = Path(out) if Path(out).is_absolute() else ROOT / out
-    state = json.loads((out / STATE).read_text()) if (out / STATE).is_file() else {}
-    pid = state.get("serving", {}).get("pid")
-    left = []
-    if pid and _alive(pid):
-        say(f"stopping serve run (pid {pid})")
-        try:
-            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-            os.killpg(pid, signal.SIGINT)  # what Ctrl-C does: serve run shuts the apps down
-            _, left = psutil.wait_procs(procs, timeout=grace_s)
-            for p in left:
-                p.kill()
-            _, left = psutil.wait_procs(left, timeout=5)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    state.get("serving", {}).pop("pid", None)
-    if (out / STATE).is_file():
-        (out / STATE).write_text(json.dumps(state, indent=1, default=str))
-    rc = subprocess.run([sys.executable, "-m", "cluster.stack", "--state-dir", str(out / "stack"), "down"],
-                        cwd=ROOT).returncode
-    if left:
-        say(f"still running: {[p.pid for p in left]}")
-        return 1
-    return rc
 
 
 def run_demo(cfg: DemoConfig) -> dict:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from pipelines.features.workers import ExtractFeatures, ShardWriter, resolve_layer_ids
+from pipelines.features.target_pass import resolve_layer_ids
+from pipelines.features.workers import ExtractFeatures
+from pipelines.features.writer import ShardWriter
 
 TARGET = {"model": "smollm2", "dtype": "float32", "trust_remote_code": False}
 
@@ -185,7 +187,8 @@ def generation_bench(num_prompts: int = 64, max_new_tokens: int = 128,
     import ray.data
 
     from pipelines.config import load_features_config
-    from pipelines.features.pipeline import generation_actors, plan_shards
+    from pipelines.features.plan import plan_shards
+    from pipelines.features.shards import generation_actors
     from pipelines.features.vllm_regen import regeneration_stage
     from pipelines.features.workers import Regenerate
     from specdec.target import resolve_target_path

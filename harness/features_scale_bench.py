@@ -94,7 +94,7 @@ def stage_times(cfg, scratch: str) -> dict:
     """Generation alone (materialized), then extraction alone over its output."""
     import ray.data
 
-    from pipelines.features.pipeline import plan_shards
+    from pipelines.features.plan import plan_shards
     from pipelines.features.vllm_regen import regeneration_stage
     from pipelines.features.workers import ExtractFeatures
     from specdec.target import resolve_target_path

@@ -24,6 +24,10 @@ GPU, checks that need one SKIP (``--require-gpu``: FAIL); an NVIDIA device that 
 use is a FAIL. ``--tiny`` runs tier 1 at tiny shapes (on the CPU unless a GPU is there or
 ``--device cuda``). Exit 0 unless a check FAILed or TIMED OUT. Each check's output goes to
 ``<out without .json>.logs/<check>.log``.
+
+One room over 400 lines: the driver (budget shares, forked or fresh check processes, timeouts,
+the table and the report) is one sequence; the checks live in ``gpu_tier1.py`` (and its
+check files) and ``gpu_tier2.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.demo import DemoConfig, DemoError, run_demo, stop  # noqa: E402
+from harness.demo import DemoConfig, DemoError, run_demo  # noqa: E402
+from harness.demo_processes import stop  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from pipelines.promote import DEFAULT_MARGIN, DEFAULT_METRIC, DEFAULT_TOLERANCE, METRICS
+    from pipelines.promotion_rule import DEFAULT_MARGIN, DEFAULT_METRIC, DEFAULT_TOLERANCE, METRICS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = ap.add_mutually_exclusive_group()

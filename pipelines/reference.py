@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipelines import evaluate
 from pipelines.evaluate import Candidate, evaluations_from_report
-from pipelines.promote import DEFAULT_MARGIN, Decision, decide
+from pipelines.promotion_rule import DEFAULT_MARGIN, Decision, decide
 
 
 def publish_reference(candidate: str | Path, slug: str = "smollm2-135m", prompts: str = "sharegpt",

@@ -8,6 +8,10 @@ MLflow's own default (an embedded sqlite database, ``sqlite:///mlflow.db`` in th
 directory), made absolute so that workers with another working directory find it.
 A drafter version's ``source`` is the run artifact holding ``config.json`` +
 ``model.safetensors``; ``models:/dflash-<target>/<version>`` downloads it.
+
+One room over 400 lines on purpose: every MLflow call of the system goes through it (one
+place maps MLflow's errors and absorbs its version changes). Its sections: tracking and runs,
+lineage, errors, models/versions/aliases, downloads.
 """
 
 from __future__ import annotations

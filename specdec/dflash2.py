@@ -23,7 +23,6 @@ DFlash drafter of the same shape initialises one (``init_from``).
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,47 +179,6 @@ def walk(cand: torch.Tensor, scores: torch.Tensor, params: list[SamplingParams],
             laws.append(q[:, 0])
         tokens.append(cand[rows, step, prev])
     return torch.stack(tokens, 1), (torch.stack(laws, 1) if laws else None)
-
-
-def selector_head_loss(drafter: DFlash2Drafter, logits_fn: Callable[[torch.Tensor], torch.Tensor],
-                       hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
-                       soft: tuple[torch.Tensor, torch.Tensor] | None, distill: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (M,) = the DFlash head CE (objective.head_loss) + ``selector_alpha`` x the
-    selector's CE, and the selector's pick (M,), for draft hidden states (M, H) with gold
-    ``labels`` (M,) after gold tokens ``prev`` (M,) (teacher-forced: while a draft run is
-    alive, the token drafted before is the gold one, so the pick's leading matches are the
-    walk's). The selector's CE is over the head's top-K candidates with the gold one added
-    when it is missing (SpecForge's DFlash2 objective); the pick is over the top-K alone,
-    as served, so a gold outside them is a miss. With a reduced draft vocabulary labels and
-    the pick are draft columns (-1: a label outside it, which the selector cannot score)."""
-    from specdec.objective import HEAD_CHUNK_ROWS, head_loss
-
-    sel, alpha = drafter.candidate_selector, drafter.selector_alpha
-    to_target = getattr(logits_fn, "to_target", lambda x: x)  # draft columns -> target ids (codebook rows)
-
-    def rows(h, y, a, cols, p):
-        logits = logits_fn(h)
-        ce, _ = head_loss(lambda x: x, logits, y, None if cols is None else (cols, p), distill)
-        cand = logits.detach().topk(sel.top_k, dim=-1).indices
-        ext = torch.cat([cand, y.clamp(min=0)[:, None]], 1)  # K candidates + the gold
-        hit = cand == y[:, None]
-        scores = sel.edge_scores(a[:, None], to_target(ext), drafter.unary(logits.gather(1, ext)), h)[:, 0]
-        scores = scores.float().masked_fill(F.pad(hit.any(-1, keepdim=True), (sel.top_k, 0)), float("-inf"))
-        gold = torch.where(hit.any(-1), hit.float().argmax(-1), sel.top_k)
-        sce = F.cross_entropy(scores, gold, reduction="none") * (y >= 0)
-        pick = cand.gather(1, scores.detach()[:, :sel.top_k].argmax(-1, keepdim=True))[:, 0]
-        return ce + alpha * sce, pick
-
-    cols, p = soft if soft is not None else (None, None)
-    if hidden.shape[0] <= HEAD_CHUNK_ROWS:
-        return rows(hidden, labels, prev, cols, p)
-    from torch.utils.checkpoint import checkpoint
-
-    run = (lambda *a: checkpoint(rows, *a, use_reentrant=False)) if torch.is_grad_enabled() else rows
-    out = [run(*(None if t is None else t[i:i + HEAD_CHUNK_ROWS] for t in (hidden, labels, prev, cols, p)))
-           for i in range(0, hidden.shape[0], HEAD_CHUNK_ROWS)]
-    return torch.cat([c for c, _ in out]), torch.cat([k for _, k in out])
 
 
 def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.checkpoint_format import DrafterConfig
+from specdec.checkpoint_format import DrafterConfig, choose_mask_token_id, default_target_layer_ids
 
 
 class RMSNorm(nn.Module):
@@ -208,8 +208,6 @@ def drafter_config_for_target(target, num_hidden_layers: int = 1, block_size: in
                               ) -> DrafterConfig:
     """A drafter whose widths match ``target`` (embedding and LM head are shared, so
     hidden size and vocab must match; attention shapes follow the target's)."""
-    from specdec.target import choose_mask_token_id, default_target_layer_ids
-
     c = target.config
     n_heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads

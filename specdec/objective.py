@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 #: the paper's decay per block size; other sizes interpolate as B/2.2 (close to these)
 PAPER_LAMBDA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -172,6 +174,47 @@ def head_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
     return torch.cat([c for c, _ in out]), torch.cat([a for _, a in out])
 
 
+def selector_head_loss(drafter: nn.Module, logits_fn: Callable[[torch.Tensor], torch.Tensor],
+                       hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
+                       soft: tuple[torch.Tensor, torch.Tensor] | None, distill: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss (M,) = the DFlash head CE (objective.head_loss) + ``selector_alpha`` x the
+    selector's CE, and the selector's pick (M,), for draft hidden states (M, H) with gold
+    ``labels`` (M,) after gold tokens ``prev`` (M,) (teacher-forced: while a draft run is
+    alive, the token drafted before is the gold one, so the pick's leading matches are the
+    walk's). The selector's CE is over the head's top-K candidates with the gold one added
+    when it is missing (SpecForge's DFlash2 objective); the pick is over the top-K alone,
+    as served, so a gold outside them is a miss. With a reduced draft vocabulary labels and
+    the pick are draft columns (-1: a label outside it, which the selector cannot score).
+    ``drafter``: a DFlash2 drafter (specdec/dflash2.py), its ``candidate_selector``,
+    ``selector_alpha`` and ``unary``."""
+    sel, alpha = drafter.candidate_selector, drafter.selector_alpha
+    to_target = getattr(logits_fn, "to_target", lambda x: x)  # draft columns -> target ids (codebook rows)
+
+    def rows(h, y, a, cols, p):
+        logits = logits_fn(h)
+        ce, _ = head_loss(lambda x: x, logits, y, None if cols is None else (cols, p), distill)
+        cand = logits.detach().topk(sel.top_k, dim=-1).indices
+        ext = torch.cat([cand, y.clamp(min=0)[:, None]], 1)  # K candidates + the gold
+        hit = cand == y[:, None]
+        scores = sel.edge_scores(a[:, None], to_target(ext), drafter.unary(logits.gather(1, ext)), h)[:, 0]
+        scores = scores.float().masked_fill(F.pad(hit.any(-1, keepdim=True), (sel.top_k, 0)), float("-inf"))
+        gold = torch.where(hit.any(-1), hit.float().argmax(-1), sel.top_k)
+        sce = F.cross_entropy(scores, gold, reduction="none") * (y >= 0)
+        pick = cand.gather(1, scores.detach()[:, :sel.top_k].argmax(-1, keepdim=True))[:, 0]
+        return ce + alpha * sce, pick
+
+    cols, p = soft if soft is not None else (None, None)
+    if hidden.shape[0] <= HEAD_CHUNK_ROWS:
+        return rows(hidden, labels, prev, cols, p)
+    from torch.utils.checkpoint import checkpoint
+
+    run = (lambda *a: checkpoint(rows, *a, use_reentrant=False)) if torch.is_grad_enabled() else rows
+    out = [run(*(None if t is None else t[i:i + HEAD_CHUNK_ROWS] for t in (hidden, labels, prev, cols, p)))
+           for i in range(0, hidden.shape[0], HEAD_CHUNK_ROWS)]
+    return torch.cat([c for c, _ in out]), torch.cat([k for _, k in out])
+
+
 def block_hidden(drafter, embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                  features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                  use_flex: bool = False) -> torch.Tensor:
@@ -245,8 +288,6 @@ def dflash_loss(drafter, embed: Callable[[torch.Tensor], torch.Tensor], logits_f
         src = (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).clamp(max=T - 1)  # p - 1
         soft = teacher_law(*_teacher_at(src, sel, teacher), vocab_index)
     if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: + the selector's CE; top = its pick
-        from specdec.dflash2 import selector_head_loss
-
         prev = input_ids.gather(1, (blocks.anchors[..., None] + torch.arange(Bk - 1, device=dev)).flatten(1)
                                 .clamp(max=T - 1)).view_as(blocks.labels)[sel]  # the gold token before each
         ce, top = selector_head_loss(drafter, logits_fn, hidden[sel], labels, prev, soft, distill)

@@ -19,6 +19,9 @@ user turn. Sources:
 Filtering happens in a fixed order so that every split sees the same decisions: length caps,
 then de-duplication over the *whole* source, then the hash-based train/holdout split, then
 ``limit``.
+
+One room over 400 lines on purpose: it is the single place where prompts are read, so every
+source goes through the same filters in the same order (one rule, one home).
 """
 
 from __future__ import annotations

@@ -30,39 +30,6 @@ from specdec.assets import EMBEDDED_NAMES, target_slug  # noqa: F401 - re-export
 _SCALED_EMBEDDING = {"gemma", "gemma2", "gemma3", "gemma3_text"}
 
 
-def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
-    """Paper spacing: ``num_features`` layers uniformly from 1 to L-3 (rounded)."""
-    if num_features < 1:
-        raise ValueError("num_features must be >= 1")
-    if num_features == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ValueError(f"target has only {num_target_layers} layers; need at least 4 for the default spacing")
-    span = end - start
-    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
-
-
-def choose_mask_token_id(tokenizer) -> int:
-    """A spare special token to use as DFlash's MASK: the tokenizer's own mask token if it
-    has one, else the last added special token that is not BOS/EOS/PAD/UNK and does not
-    appear in the chat template."""
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    candidates = [
-        int(i)
-        for i, tok in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
-        if int(i) not in reserved and str(tok) not in template
-    ]
-    if candidates:
-        return candidates[-1]
-    if tokenizer.unk_token_id is not None:
-        return int(tokenizer.unk_token_id)
-    raise ValueError("tokenizer has no spare special token for MASK; set mask_token_id in the drafter config")
-
-
 def weights_fingerprint(state_dict: dict[str, torch.Tensor], config_dict: dict) -> str:
     """A stable identity for a model's weights: sha256 over the config's architecture
     fields and every tensor's name, shape and a strided sample of its values (independent

@@ -10,7 +10,7 @@ from specdec.checkpoint import DrafterMismatchError, load_drafter, save_drafter
 from specdec.drafter import DFlashDrafter
 from specdec.engine import Engine, Request
 from specdec.proposers import DFlashProposer
-from specdec.target import default_target_layer_ids
+from specdec.checkpoint_format import default_target_layer_ids
 from specdec.tiny import random_drafter
 
 pytestmark = pytest.mark.unit

@@ -477,7 +477,8 @@ print("WORKER", *ray.get(probe.remote(os.environ["DFLASH_STORAGE"] + "/smoke/{ta
     def test_down_leaves_no_processes(self, stack):
         import psutil
 
-        from cluster.stack import load_state, stack_processes
+        from cluster.stack_processes import stack_processes
+        from cluster.stack_state import load_state
 
         state = load_state(stack["dir"])
         before = stack_processes(state)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.stack import load_state
+from cluster.stack_state import load_state
 from harness import demo as D
+from harness import demo_console as C
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = ["features.layer_ids=[1,2]", "features.generation.backend=hf", "features.extract.from_generation=true",
@@ -34,23 +35,23 @@ SUMMARY_KEYS = {"target", "model", "stack", "features", "reference", "training",
 def test_progress_parsers_read_the_jobs_lines():
     line = ("2026-12-02 07:38:37,126 pipelines.features.pipeline: shard 00000 committed | 2/4 shards, eta 40 s | "
             "32 rows 0.51 rows/s | 165 tok/s (generated 32 tok/s) | 532.4 KB written 43.8 KB/s")
-    assert D.features_progress(line) == "shards 2/4 · 0.51 prompts/s · 32 generated tok/s · eta 40 s"
-    assert D.features_progress("x: 4 shards planned, 1 already committed, 3 to run").startswith("shards 1/4")
-    assert D.features_progress("unrelated") is None
-    tp = D.TrainProgress(60)
+    assert C.features_progress(line) == "shards 2/4 · 0.51 prompts/s · 32 generated tok/s · eta 40 s"
+    assert C.features_progress("x: 4 shards planned, 1 already committed, 3 to run").startswith("shards 1/4")
+    assert C.features_progress("unrelated") is None
+    tp = C.TrainProgress(60)
     got = tp("(RayTrainWorker pid=1) [train] step 10 | epoch 2.86 | loss 4.1763 | tau 1.075 | acc@1 0.075 | lr 2e-3")
     assert got.startswith("step 10/60 ·") and "loss 4.176 · tau 1.075" in got
     assert tp("[eval] step 12 | epoch 3.43 | holdout tau 1.125 | loss 2.89") == "step 12/60 · held-out tau 1.125"
-    assert D.evaluation_progress("benchmark:  50%|#####     | 2/4 [00:10<00:10, 5.10s/batch]") == \
+    assert C.evaluation_progress("benchmark:  50%|#####     | 2/4 [00:10<00:10, 5.10s/batch]") == \
         "benchmark 2/4 · 5.10s/batch · eta 00:10"
 
 
 def test_run_logged_prints_a_line_at_least_every_heartbeat(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(D, "HEARTBEAT_S", 0.3)
+    monkeypatch.setattr(C, "HEARTBEAT_S", 0.3)
     code = ("import time\nfor i in range(1, 4):\n    print(f'x: shard committed | {i}/3 shards, eta 1 s | 5 rows "
             "0.50 rows/s | 9 tok/s (generated 3 tok/s) |', flush=True)\n    time.sleep(0.5)\nraise SystemExit(3)")
-    rc, lines = D.run_logged("features", [sys.executable, "-c", code], tmp_path / "f.log", dict(__import__("os").environ),
-                             D.features_progress)
+    rc, lines = C.run_logged("features", [sys.executable, "-c", code], tmp_path / "f.log", dict(__import__("os").environ),
+                             C.features_progress)
     out = capsys.readouterr().out
     assert rc == 3 and len(lines) == 3
     assert "features: shards 2/3" in out or "features: shards 3/3" in out, out
@@ -165,7 +166,8 @@ class TestDemo:
     def test_stop_leaves_no_process(self, demo):
         import psutil
 
-        from cluster.stack import load_state, stack_processes
+        from cluster.stack_processes import stack_processes
+        from cluster.stack_state import load_state
 
         state = load_state(demo["out"] / "stack")
         pid = json.loads((demo["out"] / "demo.json").read_text())["serving"]["pid"]

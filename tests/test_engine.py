@@ -281,7 +281,7 @@ def test_cycle_times_add_up_per_row(tiny):
 def test_feature_recorder_equals_a_teacher_forced_pass(tiny, family):
     """Features kept while decoding a ragged batch (rows finishing at different steps) are
     the teacher-forced features of prompt + completion; only the last token has none."""
-    from pipelines.features.workers import FeatureRecorder
+    from pipelines.features.target_pass import FeatureRecorder
 
     t = tiny(family)
     layers = [0, t.num_layers // 2, t.num_layers - 1]

@@ -189,8 +189,8 @@ def test_plan_is_deterministic_with_unique_ids(tmp_path):
 def test_streamed_plan_keeps_refs_and_writes_each_pending_shard_once(tmp_path):
     """The driver's plan is refs (id, split, count, ids digest); the samples of pending shards
     go to plan files, once; a stage row naming its plan file reads back the shard's samples."""
-    from pipelines.features.pipeline import ids_digest, plan_index, plan_shards, write_plan_files
-    from pipelines.features.workers import load_shard_row
+    from pipelines.features.plan import ids_digest, plan_index, plan_shards, write_plan_files
+    from pipelines.features.shards import load_shard_row
 
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(20)))
@@ -216,7 +216,7 @@ def _plan_peak(src: str, limit: int, whole: bool) -> int:
     list of shards with their samples, as the driver held it before plans were streamed)."""
     import tracemalloc
 
-    from pipelines.features.pipeline import plan_index, plan_shards, write_plan_files
+    from pipelines.features.plan import plan_index, plan_shards, write_plan_files
 
     cfg = parse_section(FeaturesConfig, {"output": "x", "prompts": {"source": src, "split": "all", "limit": limit,
                                                                     "max_prompt_chars": None},
@@ -356,7 +356,7 @@ def test_layers_are_checked_before_any_ray_work(tiny_dir):
 def test_thinking_switch_only_where_the_template_has_one(caplog):
     from transformers import AutoTokenizer
 
-    from pipelines.features.workers import PromptEncoder
+    from pipelines.features.shards import PromptEncoder
     from specdec.target import resolve_target_path
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path(None))
@@ -375,7 +375,7 @@ def test_shard_writer_overlapped_io_writes_the_same_bytes(tiny_dir, tmp_path):
     """The GPU path (writes on a background thread) and the CPU path (inline) agree."""
     import pyarrow.parquet as pq
 
-    from pipelines.features.workers import ShardWriter
+    from pipelines.features.writer import ShardWriter
     from specdec.target import load_target
 
     target = load_target(str(tiny_dir))
@@ -401,8 +401,9 @@ def test_shards_are_cut_into_files_by_bytes_and_streamed_back_row_group_by_row_g
     bytes; every file lists its row groups' ranges and digests, and streaming them back
     gives the rows of the single-file shard."""
     from pipelines import storage
-    from pipelines.features.pipeline import _shard_entries, stream_shard
-    from pipelines.features.workers import ShardWriter
+    from pipelines.features.manifest import _shard_entries
+    from pipelines.features.reader import stream_shard
+    from pipelines.features.writer import ShardWriter
     from specdec.target import load_target
 
     target = load_target(str(tiny_dir))
@@ -439,7 +440,7 @@ def test_teacher_logprobs_are_the_target_law_of_the_teacher_forced_pass(tiny_dir
     import pyarrow.parquet as pq
 
     from pipelines.features.format import FeatureLayout
-    from pipelines.features.workers import ShardWriter
+    from pipelines.features.writer import ShardWriter
     from specdec.target import load_target
 
     target = load_target(str(tiny_dir))

@@ -78,7 +78,7 @@ def test_vllm_answers_equal_the_hf_backend_greedy(vllm_run, tiny_dir):
     """Token for token what the hf backend (our engine) generates greedily for the same prompts."""
     import dataclasses
 
-    from pipelines.features.pipeline import plan_shards
+    from pipelines.features.plan import plan_shards
     from pipelines.features.workers import Regenerate
 
     cfg, _ = vllm_run

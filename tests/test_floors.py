@@ -1,7 +1,8 @@
 """The dependency floors: imports point one way, ``jobs/cluster/harness/tools -> serve_app ->
 pipelines -> specdec``. Every module of the library floors is read (not imported) and each
 import, at module level or inside a function, must name a package on its own floor or a
-lower one; ``specdec`` (the algorithm) never imports Ray."""
+lower one; ``specdec`` (the algorithm) never imports Ray. Within and across floors no
+modules import one another in a circle."""
 
 from __future__ import annotations
 
@@ -83,3 +84,118 @@ def test_no_function_over_80_lines():
                 if size > MAX_FUNCTION_LINES:
                     long.append(f"{rel}:{node.lineno}: {node.name} is {size} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+#: every package of the repository whose modules import one another
+PACKAGES = ("specdec", "pipelines", "serve_app", "jobs", "cluster", "harness", "tools")
+
+
+def module_names() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of PACKAGES (a package is its ``__init__``)."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_edges(modules: dict[str, Path]) -> dict[str, dict[str, set[str]]]:
+    """module -> {module it imports: the names it takes from it}. ``from pkg import sub`` ties to
+    the submodule ``pkg.sub`` (not to ``pkg``'s ``__init__``); nested imports count too."""
+    def owner(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    edges: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        out = edges.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                pairs = [(owner(a.name), a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                pairs = [(f"{node.module}.{a.name}", "*") if f"{node.module}.{a.name}" in modules
+                         else (owner(node.module), a.name) for a in node.names]
+            else:
+                continue
+            for target, what in pairs:
+                if target and target != name:
+                    out.setdefault(target, set()).add(what)
+    return edges
+
+
+def circles(edges: dict[str, dict[str, set[str]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(root: str) -> None:
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next((c for c in children if c in edges), None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(edges[w])))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules of the repository import one another, directly or round a longer circle
+    (nested imports included): a circle is a rule living in the wrong room. The failure names
+    each circle's modules and the names that tie them."""
+    edges = import_edges(module_names())
+    found = circles(edges)
+    lines = [f"{a} -> {b} ({', '.join(sorted(edges[a][b]))})"
+             for component in found for a in component for b in sorted(edges[a]) if b in component]
+    assert not found, "modules that import one another (each circle's ties):\n" + "\n".join(lines)
+
+
+def test_the_circle_finder_names_every_circle():
+    edges = {"a": {"b": {"x"}}, "b": {"c": {"y"}}, "c": {"a": {"z"}}, "d": {"a": {"w"}}, "e": {"f": {"v"}},
+             "f": {"e": {"u"}}, "g": {}}
+    assert sorted(circles(edges)) == [["a", "b", "c"], ["e", "f"]]
+    assert circles({"a": {"b": set()}, "b": {}}) == []
+
+
+#: past this many lines a file says in its opening docstring why it is one room
+ROOM_LINES = 400
+
+
+def test_a_file_over_400_lines_says_why_it_is_one_room():
+    big = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if text.count("\n") > ROOM_LINES and "one room" not in doc.lower():
+                big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines, no 'one room' reason")
+    assert not big, "large rooms: split them by what they do, or say why they are one:\n" + "\n".join(big)

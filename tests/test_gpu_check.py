@@ -88,7 +88,8 @@ def test_chunked_logits_equal_one_forward_in_float32() -> None:
     position, mask or cache slot would not)."""
     import torch
 
-    from harness.gpu_tier1 import build_target, chunked_logits, random_prompts, shapes_for
+    from harness.gpu_exactness import chunked_logits
+    from harness.gpu_models import build_target, random_prompts, shapes_for
 
     s = shapes_for({"tiny": True})
     target = build_target(s, torch.device("cpu"), torch.float32)
@@ -183,11 +184,11 @@ def test_tier1_modules_import_no_stack() -> None:
 
 
 def test_hard_coded_shapes_equal_the_recipe() -> None:
-    """harness/gpu_tier1.py never reads YAML (the lent machine need not have it): its copy of
+    """harness/gpu_models.py never reads YAML (the lent machine need not have it): its copy of
     configs/qwen3-8b.yaml's shapes must stay equal to the file."""
     import yaml
 
-    from harness.gpu_tier1 import QWEN3_8B, RECIPE
+    from harness.gpu_models import QWEN3_8B, RECIPE
 
     cfg = yaml.safe_load((REPO / "configs" / "qwen3-8b.yaml").read_text())
     d, t, f = cfg["drafter"], cfg["train"], cfg["features"]

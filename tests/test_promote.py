@@ -29,6 +29,7 @@ import torch
 
 from pipelines import evaluate as E
 from pipelines import promote as P
+from pipelines import promotion_rule as rule
 from pipelines import reference as R
 from pipelines import registry
 from specdec import tiny
@@ -173,23 +174,23 @@ def ev(version, speedup=1.0, tau=1.5, exact=True, role="challenger"):
 
 def test_decision_rule():
     champ = ev("1", speedup=1.00, tau=2.0, role="champion")
-    d = P.decide(ev("2", speedup=1.50, exact=False), champ)
+    d = rule.decide(ev("2", speedup=1.50, exact=False), champ)
     assert not d.promote and "not exact" in d.reason and "prompt 1, token 5" in d.reason
-    assert not P.decide(ev("2", exact=False), None).promote  # not even as the first champion
+    assert not rule.decide(ev("2", exact=False), None).promote  # not even as the first champion
     # no champion yet: the bar is the target alone, so a drafter slower than AR never serves
-    assert P.decide(ev("2", speedup=1.03), None).promote
-    d = P.decide(ev("2", speedup=0.5), None)
+    assert rule.decide(ev("2", speedup=1.03), None).promote
+    d = rule.decide(ev("2", speedup=0.5), None)
     assert not d.promote and "not faster than the target alone" in d.reason and "0.500x" in d.reason
-    assert not P.decide(ev("2", speedup=1.01), None).promote  # within the margin
-    assert P.decide(ev("2", speedup=1.03), champ).promote  # +3% >= 2%
-    d = P.decide(ev("2", speedup=1.01), champ)
+    assert not rule.decide(ev("2", speedup=1.01), None).promote  # within the margin
+    assert rule.decide(ev("2", speedup=1.03), champ).promote  # +3% >= 2%
+    d = rule.decide(ev("2", speedup=1.01), champ)
     assert not d.promote and "margin" in d.reason and "1.010x" in d.reason and "1.000x" in d.reason
-    assert not P.decide(ev("2", speedup=1.03), champ, margin=0.05).promote
-    assert P.decide(ev("2", speedup=0.9, tau=2.2), champ, metric="tau").promote  # tau +10%
-    assert not P.decide(ev("2", speedup=2.0, tau=2.0), champ, metric="tau").promote
-    assert not P.decide(ev("1"), ev("1", role="champion")).promote
+    assert not rule.decide(ev("2", speedup=1.03), champ, margin=0.05).promote
+    assert rule.decide(ev("2", speedup=0.9, tau=2.2), champ, metric="tau").promote  # tau +10%
+    assert not rule.decide(ev("2", speedup=2.0, tau=2.0), champ, metric="tau").promote
+    assert not rule.decide(ev("1"), ev("1", role="champion")).promote
     with pytest.raises(P.PromoteError, match="--metric"):
-        P.decide(ev("2"), champ, metric="latency")
+        rule.decide(ev("2"), champ, metric="latency")
 
 
 def test_decision_rule_on_several_prompt_sets():
@@ -200,45 +201,45 @@ def test_decision_rule_on_several_prompt_sets():
         return {n: (ev("3", tau=c, speedup=c), None if o is None else ev("2", tau=o, speedup=o, role="champion"))
                 for n, (c, o) in numbers.items()}
 
-    d = P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.10, 1.23)), metric="tau")
+    d = rule.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.10, 1.23)), metric="tau")
     assert not d.promote
     assert d.reason == ("v3 beats v2 on longctx (tau 1.410 vs 1.220, +15.6%) but loses on sharegpt "
                         "(tau 1.100 vs 1.230, -10.6% > 5%)")
     assert d.sets["longctx"]["result"] == "better" and d.sets["sharegpt"]["result"] == "worse"
-    d = P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau")  # -2.4%: within 5%
+    d = rule.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau")  # -2.4%: within 5%
     assert d.promote and "beats v2 on longctx" in d.reason and "within 5% on sharegpt (tau 1.200 vs 1.230" in d.reason
     assert d.tolerance == 0.05 and d.sets["sharegpt"]["result"] == "within"
-    assert not P.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau", tolerance=0.02).promote
-    assert P.decide_sets(sets(a=(1.5, 1.0), b=(1.6, 1.0))).promote  # better on both (speedup by default)
-    d = P.decide_sets(sets(a=(1.01, 1.0), b=(1.0, 1.0)))  # within the tolerance everywhere, better nowhere
+    assert not rule.decide_sets(sets(longctx=(1.41, 1.22), sharegpt=(1.20, 1.23)), metric="tau", tolerance=0.02).promote
+    assert rule.decide_sets(sets(a=(1.5, 1.0), b=(1.6, 1.0))).promote  # better on both (speedup by default)
+    d = rule.decide_sets(sets(a=(1.01, 1.0), b=(1.0, 1.0)))  # within the tolerance everywhere, better nowhere
     assert not d.promote and "not better by the margin on any prompt set" in d.reason
-    d = P.decide_sets(sets(a=(1.01, 1.0), b=(0.5, 1.0)))
+    d = rule.decide_sets(sets(a=(1.01, 1.0), b=(0.5, 1.0)))
     assert not d.promote and "loses more than 5% on b" in d.reason
-    assert P.decide_sets(sets(a=(1.03, 1.0), b=(0.951, 1.0))).promote  # exactly at the edges
-    assert not P.decide_sets(sets(a=(1.03, 1.0), b=(0.949, 1.0))).promote
+    assert rule.decide_sets(sets(a=(1.03, 1.0), b=(0.951, 1.0))).promote  # exactly at the edges
+    assert not rule.decide_sets(sets(a=(1.03, 1.0), b=(0.949, 1.0))).promote
     # exact on every set
     bad = sets(a=(2.0, 1.0), b=(2.0, 1.0))
     bad["b"] = (ev("3", tau=2.0, speedup=2.0, exact=False), bad["b"][1])
-    d = P.decide_sets(bad)
+    d = rule.decide_sets(bad)
     assert not d.promote and "not exact on b" in d.reason and "prompt 1, token 5" in d.reason
     # no champion: the target alone is the bar on every set
-    assert P.decide_sets(sets(a=(1.1, None), b=(1.05, None))).promote
-    d = P.decide_sets(sets(a=(1.5, None), b=(0.9, None)))
+    assert rule.decide_sets(sets(a=(1.1, None), b=(1.05, None))).promote
+    d = rule.decide_sets(sets(a=(1.5, None), b=(0.9, None)))
     assert not d.promote and "not faster than the target alone on b" in d.reason and d.sets["b"]["vs"] == "ar"
     with pytest.raises(P.PromoteError, match="different champions"):
-        P.decide_sets(sets(a=(1.5, 1.0), b=(1.5, None)))
-    assert not P.decide_sets({"a": (ev("2"), ev("2", role="champion")), "b": (ev("2"), ev("2", role="champion"))}
+        rule.decide_sets(sets(a=(1.5, 1.0), b=(1.5, None)))
+    assert not rule.decide_sets({"a": (ev("2"), ev("2", role="champion")), "b": (ev("2"), ev("2", role="champion"))}
                              ).promote  # already the champion
     # one set: decide() exactly, with the set's numbers recorded
-    one = P.decide_sets(sets(a=(1.01, 1.0)))
-    assert one.reason == P.decide(ev("3", tau=1.01, speedup=1.01), ev("2", speedup=1.0, tau=1.0, role="champion")).reason
+    one = rule.decide_sets(sets(a=(1.01, 1.0)))
+    assert one.reason == rule.decide(ev("3", tau=1.01, speedup=1.01), ev("2", speedup=1.0, tau=1.0, role="champion")).reason
     assert one.tolerance is None and one.sets["a"]["gain"] == pytest.approx(0.01)
     for bad_args, pattern in (({"tolerance": 1.0}, "--tolerance"), ({"tolerance": -0.1}, "--tolerance"),
                               ({"metric": "latency"}, "--metric"), ({"margin": -1}, "--margin")):
         with pytest.raises(P.PromoteError, match=pattern):
-            P.decide_sets(sets(a=(1.5, 1.0), b=(1.5, 1.0)), **bad_args)
+            rule.decide_sets(sets(a=(1.5, 1.0), b=(1.5, 1.0)), **bad_args)
     with pytest.raises(P.PromoteError, match="no prompt set"):
-        P.decide_sets({})
+        rule.decide_sets({})
 
     # which sets: as given; else sharegpt, plus longctx for a context: long challenger
     assert P.PromoteConfig().prompt_sets({}) == ["sharegpt"]

@@ -753,7 +753,7 @@ def test_watcher_redeploys_its_own_app_but_leaves_a_config_owned_one(monkeypatch
     monkeypatch.setattr(ray.serve, "run", lambda app, name, route_prefix: runs.append((app, name, route_prefix)))
     monkeypatch.setattr(vllm_app, "build_vllm_app", lambda cfg, salt: builds.append((cfg, salt)) or "APP")
     watcher = ChampionWatcher({"backend": "vllm", "drafter": "models:/d@champion"}, "models:/d@champion",
-                              "sqlite:///r.db", "1", 5, "s1")
+                              "sqlite:///r.db", "1", 5, "s1", vllm_app.rebuild_vllm_app)
     assert watcher.redeploy("2") and watcher.version == "2"
     assert runs == [("APP", "spec", "/spec")] and builds[0][1] == "s1" and builds[0][0].backend == "vllm"
     details["deployed_app_config"] = {"import_path": "serve_app:build_app"}

@@ -6,7 +6,7 @@ import torch
 from specdec import kvcache
 from specdec.engine import Engine, Request
 from specdec.proposers import DFlashProposer, OracleProposer
-from specdec.target import choose_mask_token_id
+from specdec.checkpoint_format import choose_mask_token_id
 from specdec.tiny import random_drafter
 
 pytestmark = pytest.mark.unit

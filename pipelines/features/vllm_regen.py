@@ -18,8 +18,8 @@ import time
 import pyarrow as pa
 
 from pipelines.config import ConfigError
-from pipelines.features.workers import (SEQUENCES_SCHEMA, PromptEncoder, _add_sequence, encode_shard,
-                                        load_shard_row, shard_seed)
+from pipelines.features.shards import (SEQUENCES_SCHEMA, PromptEncoder, add_sequence, encode_shard, generation_actors,
+                                       load_shard_row, shard_seed)
 from specdec.vllm_engine import cpu_engine_env
 
 
@@ -59,7 +59,7 @@ class RegenerateVLLM:
         for (sample_id, prompt), o in zip(todo, outs):
             tokens = [int(t) for t in o.outputs[0].token_ids]
             finish = "length" if len(tokens) >= self.gen["max_new_tokens"] else "stop"
-            _add_sequence(out, sample_id, prompt, tokens, finish)
+            add_sequence(out, sample_id, prompt, tokens, finish)
         out["gen_start"], out["gen_seconds"] = start, time.perf_counter() - t0
         return out
 
@@ -78,8 +78,6 @@ def vllm_sampling_params(generation: dict, shard_id: str) -> dict:
 def regeneration_stage(ds, model_source: str, target: dict, generation: dict, max_prompt_tokens: int,
                        max_model_len: int, storage_options: dict | None = None):
     """``ds`` of shard rows -> regenerated shard rows through :class:`RegenerateVLLM` actors."""
-    from pipelines.features.pipeline import generation_actors
-
     if generation["num_gpus"] == 0:
         check_vllm_cpu_build()
     extra = {"accelerator_type": generation["vllm"]["accelerator_type"]} \

@@ -3,7 +3,10 @@ tokenizer and weights identity without loading its weights (the identity decides
 feature runs are acceptable and is the drafter's lineage; ``specdec/frozen.py``), checks
 the feature runs, builds the drafter config, its initial weights and draft vocabulary,
 reads the training and held-out rows, and opens (or reopens) the MLflow run; the result is
-a :class:`RunPlan` the trainer and the export work from."""
+a :class:`RunPlan` the trainer and the export work from.
+
+One room just over 400 lines: :func:`prepare` is one sequence read top to bottom, and its
+steps' checks (a resumed run's drafter shape, the feature runs' layouts) sit beside it."""
 
 from __future__ import annotations
 
@@ -308,7 +311,7 @@ def _draft_vocab(recipe: TrainRecipe, target, manifest_uris: list[str], options:
 def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri: str | None) -> list[int]:
     """The target layers the drafter reads: stored features fix them; online features
     take the recipe's (or the paper's spacing)."""
-    from specdec.target import default_target_layer_ids
+    from specdec.checkpoint_format import default_target_layer_ids
 
     dc = recipe.drafter
     if recipe.train.from_target:

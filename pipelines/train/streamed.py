@@ -34,7 +34,7 @@ class StreamFeatures:
 
     def __init__(self, target: dict, layer_ids: list[int], layout: dict, max_length: int, num_gpus: float,
                  num_cpus: float):
-        from pipelines.features.workers import load_stage_target
+        from pipelines.features.target_pass import load_stage_target
 
         self.target = load_stage_target(target, num_gpus, num_cpus)
         if target.get("identity") and self.target.identity != target["identity"]:
@@ -47,7 +47,7 @@ class StreamFeatures:
         self.max_length = max_length
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from pipelines.features.workers import target_features
+        from pipelines.features.target_pass import target_features
 
         # the workers cut rows to max_length: the target never runs past it
         seqs = [s[: self.max_length] for s in table.column("input_ids").to_pylist()]
