@@ -12,6 +12,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from specdec.target import target_slug
 
 
+class CaptureSettings(BaseModel):
+    """``ServeConfig.capture``: where captured requests go and how many."""
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(description="a directory or s3:// prefix the capture files are written under")
+    rate: float = Field(1.0, gt=0, le=1, description="share of requests captured (by a hash of the request id)")
+    max_buffer: int = Field(1024, ge=1, description="records waiting to be written; past it new ones are dropped")
+    batch_rows: int = Field(256, ge=1, description="records per file (a file is written at this many)")
+    flush_s: float = Field(30.0, gt=0, description="a waiting record is written within this many seconds")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("expected a directory or an s3:// prefix, got an empty string")
+        return v.strip()
+
+
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -99,6 +117,12 @@ class ServeConfig(BaseModel):
                                            "pool that needs room to grow")
     plain_max_replicas: int | None = Field(None, ge=1)
 
+    # ---------------------------------------------------------------- traffic capture (serve_app/capture.py)
+    capture: CaptureSettings | None = Field(None, description="Capture served requests (the prompt's and "
+                                            "the answer's token ids, sampling, accepted lengths) as Parquet "
+                                            "under capture.uri, for adapting the drafter to the traffic; off "
+                                            "by default. A request with \"store\": false is never captured")
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
@@ -124,7 +148,7 @@ class ServeConfig(BaseModel):
             return "off" if v <= 1 else v
         raise ValueError(f"speculation must be 'auto', 'off' or an integer >= 2, got {v!r}")
 
-    @field_validator("replica_resources", "vllm_engine_kwargs", mode="before")
+    @field_validator("replica_resources", "vllm_engine_kwargs", "capture", mode="before")
     @classmethod
     def _json_object(cls, v):
         """`serve run ... key=value` passes strings: a dict setting may be given as JSON."""

@@ -27,6 +27,11 @@ process_cpu_seconds_total      counter    CPU time of the replica process (compa
 drafter_info{source,version}   gauge      1 for the drafter in use
 accepted_tokens_per_position_  counter    drafted tokens accepted at each draft position
   total{position}                         (vllm backend only, from vLLM's counter)
+capture_records_total{outcome} counter    traffic capture (serve_app/capture.py): records
+                                          captured, dropped (buffer full, store failing),
+                                          sampled_out (past capture.rate)
+capture_bytes_total            counter    bytes of capture files written
+capture_errors_total           counter    capture batches the store refused
 http_requests_total            counter    ingress requests by endpoint and status
 =============================  =========  ===============================================
 """
@@ -224,7 +229,16 @@ _HELP = {
     "accepted_tokens_per_position_total": ("counter", "Drafted tokens accepted at each draft position "
                                            "(vllm backend: vLLM's per-position counter)"),
     "process_cpu_seconds_total": ("counter", "CPU seconds used by the replica process"),
+    "capture_records_total": ("counter", "Traffic capture: records captured, dropped or sampled out"),
+    "capture_bytes_total": ("counter", "Traffic capture: bytes of capture files written"),
+    "capture_errors_total": ("counter", "Traffic capture: batches the store refused (their records dropped)"),
 }
+
+
+def capture_metrics(stats: dict[str, int]) -> dict:
+    """A capture writer's counts (``CaptureWriter.stats``) as snapshot entries."""
+    return {"capture_records_total": {k: stats[k] for k in ("captured", "dropped", "sampled_out")},
+            "capture_bytes_total": stats["bytes"], "capture_errors_total": stats["errors"]}
 
 
 def _labels(**kv) -> str:
@@ -266,6 +280,9 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
             elif name == "requests_total":
                 for reason, n in sorted(snap[name].items()):
                     lines.append(f"{full}{_labels(replica=rid, finish_reason=reason)} {n}")
+            elif name == "capture_records_total":
+                for outcome, n in sorted(snap[name].items()):
+                    lines.append(f"{full}{_labels(replica=rid, outcome=outcome)} {n}")
             elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
                 for src, n in sorted(snap.get(name, {}).items()):
                     lines.append(f"{full}{_labels(replica=rid, source=src)} {n}")
@@ -285,11 +302,13 @@ def render_prometheus(replicas: dict[str, dict], http_counts: dict[tuple[str, in
 def scrape_totals(text: str, prefix: str = "dflash_") -> dict:
     """Parse ``/metrics`` text back into totals over the replicas: every sample by its name
     without ``prefix`` (``draft_seconds_sum``, ``generated_tokens_total``, ...), the
-    by-source counters as ``{source: value}`` dicts, and ``drafter_info`` as the labels of
-    the drafter in use (None without one; empty labels only where no replica has one)."""
+    by-source counters and ``capture_records_total`` (by outcome) as ``{label: value}`` dicts,
+    and ``drafter_info`` as the labels of the drafter in use (None without one; empty labels
+    only where no replica has one)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict = {"draft_tokens_total": {}, "accepted_draft_tokens_total": {}, "drafter_info": None}
+    out: dict = {"draft_tokens_total": {}, "accepted_draft_tokens_total": {}, "drafter_info": None,
+                 "capture_records_total": {}}
     for family in text_string_to_metric_families(text):
         for smp in family.samples:
             name = smp.name.removeprefix(prefix)
@@ -299,6 +318,9 @@ def scrape_totals(text: str, prefix: str = "dflash_") -> dict:
             elif name in ("draft_tokens_total", "accepted_draft_tokens_total"):
                 src = smp.labels["source"]
                 out[name][src] = out[name].get(src, 0.0) + smp.value
+            elif name == "capture_records_total":
+                outcome = smp.labels["outcome"]
+                out[name][outcome] = out[name].get(outcome, 0.0) + smp.value
             elif "le" not in smp.labels:
                 out[name] = out.get(name, 0.0) + smp.value
     return out

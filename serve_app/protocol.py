@@ -57,6 +57,7 @@ class GenerationJob:
     include_usage: bool = False
     id: str = ""
     created: int = 0
+    store: bool | None = None  # OpenAI's "store": False keeps a request out of traffic capture
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,8 +160,6 @@ _UNIMPLEMENTED_CHAT: dict[str, _Unimplemented] = {
                                  lambda v: all(m == "text" for m in v)),
     "audio": _Unimplemented("an object", _is_object, lambda v: False),
     "prediction": _Unimplemented("an object", _is_object),  # a predicted output only saves latency
-    "store": _Unimplemented("a boolean", _is_bool, lambda v: v is False,
-                            refusal="'store' = true is not supported: this server keeps no completions."),
     "metadata": _Unimplemented("an object mapping strings to strings",  # tags stored completions: none here
                                lambda v: isinstance(v, dict) and all(map(_is_str, v.values()))),
     "service_tier": _Unimplemented("a string", _is_str),  # one tier here; a tier sets latency, not output
@@ -311,7 +310,10 @@ def parse_chat(body: dict, limits: Limits) -> GenerationJob:
         raise APIError(400, "Invalid 'messages': empty array. Expected an array with minimum length 1.",
                        param="messages", code="empty_array")
     msgs = [_message_text(i, m) for i, m in enumerate(messages)]
-    return GenerationJob(kind="chat", messages=msgs, **_common(body, limits, "chat"))
+    store = body.get("store")
+    if store is not None and not _is_bool(store):
+        raise _type_error("store", store, "a boolean")
+    return GenerationJob(kind="chat", messages=msgs, store=store, **_common(body, limits, "chat"))
 
 
 def parse_completion(body: dict, limits: Limits) -> GenerationJob:

@@ -116,6 +116,11 @@ class DFlashReplica:
                                    max_batch_size=self.cfg.max_batch_size,
                                    max_prefill_tokens=self.cfg.max_prefill_tokens, seed=self.cfg.seed,
                                    metrics=self.metrics, lookup_block=self.cfg.lookup_block)
+        self.capture = None
+        if self.cfg.capture is not None:  # traffic for adapting the drafter (serve_app/capture.py)
+            from serve_app.capture import CaptureWriter
+
+            self.capture = CaptureWriter(self.cfg.capture, f"{self.cfg.served_model_name}-{self.replica_id}")
         self._tasks = [asyncio.create_task(self._publish_metrics())]
         if self.source is not None and self.source.registry and self.cfg.registry_poll_s > 0:
             self._tasks.append(asyncio.create_task(self._watch_registry()))
@@ -233,6 +238,8 @@ class DFlashReplica:
                     if tail:
                         yield {"type": "delta", "text": tail}
                 reason = "stop" if stopped else ("length" if final[1] == "length" else "stop")
+                if self.capture is not None and job.store is not False:
+                    self.capture.offer(self._capture_record(job, prompt, detok.tokens, reason, final[2]))
                 yield {"type": "done", "finish_reason": reason, "prompt_tokens": len(prompt),
                        "completion_tokens": len(detok.tokens),
                        "speculative": speculative_summary(final[2], self.worker.max_block)}
@@ -240,6 +247,17 @@ class DFlashReplica:
         finally:
             if not closed:
                 self.worker.cancel(stream)
+
+    def _capture_record(self, job: GenerationJob, prompt: list[int], answer: list[int], reason: str,
+                        stats: dict) -> dict:
+        """What traffic capture keeps of a finished request (serve_app/capture.py's schema)."""
+        import time
+
+        return {"request_id": job.id, "time": time.time(), "model": self.cfg.served_model_name,
+                "drafter_source": self.metrics.drafter.get("source", ""),
+                "drafter_version": self.worker.drafter_version or "", "prompt_ids": list(prompt),
+                "answer_ids": list(answer), "temperature": job.temperature, "top_p": job.top_p, "top_k": job.top_k,
+                "max_tokens": job.max_tokens, "finish_reason": reason, "accepted": list(stats.get("accepted") or [])}
 
     # ------------------------------------------------------------------ control
     async def info(self) -> dict:
@@ -265,10 +283,15 @@ class DFlashReplica:
             raise RuntimeError(f"engine thread is not running: {self.worker.error!r}")
 
     async def _publish_metrics(self) -> None:
+        from serve_app.metrics import capture_metrics
+
         while True:
             if self.hub is not None:
                 try:
-                    await self.hub.report.remote(self.replica_id, self.metrics.snapshot())
+                    snap = self.metrics.snapshot()
+                    if self.capture is not None:
+                        snap.update(capture_metrics(self.capture.stats()))
+                    await self.hub.report.remote(self.replica_id, snap)
                 except Exception as e:  # the hub restarting: next round
                     log.debug("metrics push failed: %s", e)
             await asyncio.sleep(self.cfg.metrics_push_s)
@@ -276,6 +299,8 @@ class DFlashReplica:
     def __del__(self):
         for t in getattr(self, "_tasks", []):
             t.cancel()
+        if getattr(self, "capture", None) is not None:
+            self.capture.close(timeout=10.0)  # what is buffered is written
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.stop(timeout=5.0)

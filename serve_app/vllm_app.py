@@ -61,6 +61,7 @@ UNSUPPORTED = {
     "max_batch_size": "set vllm_engine_kwargs.max_num_seqs",
     "max_prefill_tokens": "set vllm_engine_kwargs.max_num_batched_tokens",
     "torch_threads": "vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
+    "capture": "traffic capture runs on the hf backend for now (serve_app/capture.py)",
 }
 
 

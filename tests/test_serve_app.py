@@ -6,7 +6,8 @@ equal to the target-only output (and sharing verify passes); every bad input -> 
 OpenAI error while the server stays healthy; bearer API key; client disconnect cancels
 the generation and frees its slot; an alias move swaps the drafter without failing an
 in-flight request; a crashed replica gives a clean error and is replaced; a drafter
-trained for another target is refused with a clear error.
+trained for another target is refused with a clear error; served traffic is captured
+(serve_app/capture.py) unless a request says "store": false.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _serve(root):
         "target": str(target_dir), "model_name": MODEL, "drafter": f"models:/{REGISTERED}@champion",
         "tracking_uri": uri, "registry_poll_s": 1, "min_replicas": 1, "max_replicas": 1, "max_batch_size": 8,
         "max_tokens_limit": LIMIT, "default_max_tokens": 16, "metrics_push_s": 0.3, "seed": 0,
-        "request_timeout_s": 60,
+        "request_timeout_s": 60, "capture": {"uri": str(root / "captured"), "flush_s": 0.3},
     }), name=APP, route_prefix="/")
     srv = Server(f"http://127.0.0.1:{port}", target, uri, root)
     try:
@@ -120,6 +121,41 @@ def test_chat_non_streaming_equals_target_output(server):
     spec = use["speculative"]  # the request's accepted-length statistics
     assert spec["cycles"] >= 1 and spec["mean_accepted_length"] >= 1.0 and spec["max_block_size"] == 8
     assert sum(spec["accepted_length_histogram"].values()) == spec["cycles"]
+
+
+def test_served_traffic_is_captured_unless_store_is_false(server):
+    """Each finished request's prompt (token ids after the chat template), the target's answer
+    (exact: the target-only greedy tokens), sampling, finish reason, drafter version and accepted
+    lengths reach Parquet under capture.uri within flush_s; "store": false keeps a request out;
+    /metrics counts the captured records."""
+    import pyarrow.parquet as pq
+
+    from serve_app.metrics import scrape_totals
+
+    asks = [("capture: kept", {}), ("capture: not stored", {"store": False}), ("capture: kept too", {"store": True})]
+    ids = []
+    for content, extra in asks:
+        r = server.chat(content, 12, **extra)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+
+    def captured() -> dict:
+        files = sorted((server.root / "captured").glob("date=*/*.parquet"))
+        return {r["request_id"]: r for f in files for r in pq.read_table(f).to_pylist()}
+
+    # written in the order offered: once the last is on disk, the not-stored one would be too
+    rows = wait_for(lambda: (c := captured()).get(ids[2]) and c, 60, what="the captured requests")
+    assert ids[1] not in rows and ids[0] in rows
+    rec = rows[ids[0]]
+    prompt = server.target.encode_chat([{"role": "user", "content": "capture: kept"}])
+    assert rec["prompt_ids"] == prompt and rec["answer_ids"] == ar_tokens(server.target, prompt, 12)
+    assert rec["model"] == MODEL and rec["drafter_source"] == f"models:/{REGISTERED}@champion"
+    assert rec["drafter_version"] and rec["finish_reason"] == "length" and rec["max_tokens"] == 12
+    assert rec["temperature"] == 0 and rec["accepted"] and min(rec["accepted"]) >= 0
+    assert sum(a + 1 for a in rec["accepted"]) <= len(rec["answer_ids"])  # a cycle commits A + 1 tokens
+    totals = wait_for(lambda: (t := scrape_totals(server.metrics()))["capture_records_total"].get("captured", 0) >= 2
+                      and t, 30, what="capture counts in /metrics")
+    assert totals["capture_bytes_total"] > 0 and totals["capture_errors_total"] == 0
 
 
 def test_chat_streaming_matches_non_streaming(server):

@@ -275,13 +275,19 @@ def test_chat_ill_typed_unimplemented_fields(name, value, expected):
     ("response_format", {"type": "json_object"}, "unsupported_value"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "unsupported_value"),
     ("tool_choice", "required", "unsupported_value"),
-    ("store", True, "unsupported_value"),
 ])
 def test_chat_unhonourable_values_are_refused(name, value, code):
     with pytest.raises(APIError) as e:
         parse_chat({"messages": MSG, name: value}, LIMITS)
     assert (e.value.status, e.value.param, e.value.code) == (400, name, code)
     assert name in e.value.message
+
+
+def test_store_is_honoured_not_refused():
+    """OpenAI's "store" reaches the replica: False keeps the request out of traffic capture; True
+    (and unset) let capture take it where it is on, and change nothing where it is off."""
+    assert [parse_chat({"messages": MSG, **({"store": v} if v is not None else {})}, LIMITS).store
+            for v in (True, False, None)] == [True, False, None]
 
 
 def test_logit_bias_refusal_says_why():
@@ -798,7 +804,8 @@ def test_pool_router_speculates_up_to_the_bound_and_renames():
 
 
 @pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
-                                            ("max_batch_size", 4), ("torch_threads", 2)])
+                                            ("max_batch_size", 4), ("torch_threads", 2),
+                                            ("capture", {"uri": "/tmp/captured"})])
 def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
     from serve_app.vllm_app import UnsupportedSetting, check_settings
 
