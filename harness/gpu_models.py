@@ -16,7 +16,6 @@ import torch
 if TYPE_CHECKING:
     from specdec.checkpoint_format import DrafterConfig
     from specdec.drafter import DFlashDrafter
-    from specdec.engine import Engine
     from specdec.target import Target
 
 

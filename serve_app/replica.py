@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from ray import serve
@@ -251,8 +252,6 @@ class DFlashReplica:
     def _capture_record(self, job: GenerationJob, prompt: list[int], answer: list[int], reason: str,
                         stats: dict) -> dict:
         """What traffic capture keeps of a finished request (serve_app/capture.py's schema)."""
-        import time
-
         return {"request_id": job.id, "time": time.time(), "model": self.cfg.served_model_name,
                 "drafter_source": self.metrics.drafter.get("source", ""),
                 "drafter_version": self.worker.drafter_version or "", "prompt_ids": list(prompt),

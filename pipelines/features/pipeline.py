@@ -210,6 +210,4 @@ def run_features(cfg: FeaturesConfig) -> dict:
             "num_tokens": manifest["num_tokens"], "num_bytes": manifest["num_bytes"], **progress.as_dict()}
 
 
-__all__ = ["run_features", "verify_features", "read_features", "load_manifest", "plan_shards", "commit",
-           "has_holdout_shards", "shard_split", "stream_shard",
-           "check_target_early", "VerifyReport", "ShardPlan"]
+__all__ = ["run_features", "check_target_early"]
