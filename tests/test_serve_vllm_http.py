@@ -127,8 +127,10 @@ def apps():
             yield {"url": url, "built": build_app(settings), "target": target, "registry": uri,
                    "drafter_dir": drafter_dir}
         finally:
-            serve.shutdown()
+            # Ctrl-C first, as a user stops it: `serve run` then shuts the app down itself (after a
+            # serve.shutdown() here it waited on a gone controller until killed, 60 s per run)
             _stop(proc)
+            serve.shutdown()
             ray.shutdown()
             restore_env(saved)
 

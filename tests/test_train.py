@@ -1,106 +1,29 @@
 """Ray Train drafter training end to end on a tiny target whose continuation is learnable
-(specdec.tiny.save_cyclic_target): features from the real feature pipeline, a DDP run that
-learns, registers in MLflow and exports a drafter the engine serves exactly; DeepSpeed
-ZeRO-2 on two CPU workers; a worker killed mid-run; the same run name run again; online
-features. `ray job submit` of the training job against a real head (S3 checkpoints, MLflow
-server, lineage): tests/test_cluster.py::TestLocalStack::test_job_submit_tiny_training."""
+(specdec.tiny.save_cyclic_target): features from the real feature pipeline (tests/train_helpers.py),
+a DDP run that learns, registers in MLflow and exports a drafter the engine serves exactly; the
+same run refused another shape on resume; several feature runs fine-tuning the parent as one.
+DeepSpeed, a killed worker, the same run name again and online features:
+tests/test_train_recovery.py. `ray job submit` of the training job against a real head (S3
+checkpoints, MLflow server, lineage): tests/test_cluster.py::TestLocalStack::test_job_submit_tiny_training."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
-import yaml
 
 from pipelines.config import ConfigError
 from pipelines.train.config import load_train_recipe, parse_recipe
-from specdec.target import target_slug
 from pipelines.train.data import holdout_mask
+from specdec.target import target_slug
+from train_helpers import (BATCH, BLOCK, LAYERS, cluster, features, fit, recipe,  # noqa: F401 (fixtures)
+                           train_rows, work)
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = [1, 2]
-BLOCK = 4
-BATCH = 4
-HOLDOUT = 0.2
-
-
-# ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("train")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # Ray Train's controller polls workers every 2 s by default; tests checkpoint every few steps
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    started = not ray.is_initialized()
-    if started:  # 4 logical CPUs, more than this machine's 2: two training workers of 1 CPU plus
-        # Ray Data's read tasks must be schedulable at once (not a user's serving setup)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=300 << 20, logging_level="warning",
-                 log_to_driver=False)
-    yield
-    if started and ray.is_initialized():
-        ray.shutdown()
-
-
-def features_section(work: Path, target_dir: Path) -> dict:
-    return {"output": str(work / "features"), "target": {"model": str(target_dir)}, "layer_ids": LAYERS,
-            "prompts": {"source": str(work / "prompts.jsonl"), "split": "all", "max_prompt_tokens": 80},
-            "generation": {"max_new_tokens": 32, "batch_size": 12}, "extract": {"batch_size": 12},
-            "storage": {"samples_per_shard": 12}}
-
-
-@pytest.fixture(scope="module")
-def features(cluster, work, target_dir) -> str:
-    """A committed feature run of 24 prompts made by the feature pipeline."""
-    from pipelines.config import load_features_config
-    from pipelines.features import run_features
-
-    # prompt lengths spread over a whole cycle: the drafter must follow the anchor token, not
-    # learn where in the sequence the cycle happens to be
-    rows = [{"id": f"q{i}", "prompt": f"Question {i}: " + " ".join(["why"] * (i % 16)) + " what?"}
-            for i in range(24)]
-    (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    path = work / "features.yaml"
-    path.write_text(yaml.safe_dump({"features": features_section(work, target_dir)}))
-    summary = run_features(load_features_config(path))
-    assert summary["num_samples"] == 24
-    return summary["uri"]
-
-
-def train_rows(features_uri: str) -> int:
-    """Rows in the training split (the rest of the id-hash holdout)."""
-    ids = [i for f in sorted(Path(features_uri, "shards").glob("*.parquet"))
-           for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
-    return int((~holdout_mask(ids, HOLDOUT)).sum())
-
-
-def recipe(work: Path, target_dir: Path, name: str, registry: dict | None = None, **train) -> Path:
-    data = {
-        "features": features_section(work, target_dir),
-        "drafter": {"num_layers": 1, "block_size": BLOCK},
-        "train": {"run_name": name, "storage_path": str(work / "runs"), "epochs": 8, "batch_size": BATCH,
-                  "num_anchors": 16, "max_length": 256, "holdout_fraction": HOLDOUT, "lr": 3e-3, "warmup": 0.05,
-                  "log_every": 5, "keep_best": 2, "threads_per_worker": 1, **train},
-        "registry": registry or {"tracking_uri": f"sqlite:///{work}/mlflow.db"},
-    }
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def fit(path: Path, *overrides: str):
-    from pipelines.train import fit as run
-
-    return run(load_train_recipe(path, list(overrides)))
 
 
 # ---------------------------------------------------------------------------- config
@@ -325,71 +248,6 @@ def test_several_feature_runs_fine_tune_the_parent_as_one(ddp_run, work, target_
     with pytest.raises(ConfigError, match=r"^train\.features: the feature run .*features-bf16 stores "
                                           r"FeatureLayout\(dtype='bfloat16'.* runs trained on together need"):
         fit(recipe(work, target_dir, "bad-runs", max_steps=1, features=[features, str(other)]))
-
-
-# ---------------------------------------------------------------------------- DeepSpeed
-@pytest.mark.slow
-def test_deepspeed_zero2_on_two_cpu_workers(cluster, work, target_dir, features, target):
-    from specdec.checkpoint import load_drafter
-
-    res = fit(recipe(work, target_dir, "zero2", strategy="deepspeed", zero_stage=2, num_workers=2, max_steps=3,
-                     eval_every=2), "drafter.draft_vocab_size=20")
-    assert res.steps == 3 and [h["step"] for h in res.history] == [0, 2, 3]
-    assert res.history[-1]["samples"] == 3 * BATCH * 2
-    latest = sorted(Path(res.run_uri).glob("checkpoint-step*"))[-1]
-    shards = sorted(p.name for p in (latest / "deepspeed").iterdir())
-    assert "mp_rank_00_model_states.pt" in shards
-    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(shards)
-    assert json.loads((latest / "state.json").read_text())["strategy"] == "deepspeed"
-    # a reduced draft vocabulary from the stored runs' response tokens (held-out rows left
-    # out) plus the stop tokens; it travels with the exported drafter
-    vocab = load_drafter(res.drafter_dir, target=target).draft_vocab.tolist()
-    responses = {t for f in sorted(Path(features, "shards").glob("*.parquet"))
-                 for r in pq.read_table(f, columns=["input_ids", "loss_mask"]).to_pylist()
-                 for t, m in zip(r["input_ids"], r["loss_mask"]) if m}
-    assert set(target.stop_token_ids()) <= set(vocab) and len(vocab) <= 20 + len(target.stop_token_ids())
-    assert len(set(vocab) & responses) >= min(20, len(responses)) - len(target.stop_token_ids())
-
-
-# ---------------------------------------------------------------------------- failures and resume
-@pytest.mark.slow
-def test_killed_worker_resumes_and_the_same_name_continues(cluster, work, target_dir, features, monkeypatch):
-    per_epoch = -(-train_rows(features) // BATCH)
-    path = recipe(work, target_dir, "killed", epochs=1, eval_every=2)
-    marker = work / "killed.marker"
-    monkeypatch.setenv("DFLASH_FAIL_AT_STEP", "3")
-    monkeypatch.setenv("DFLASH_FAIL_MARKER", str(marker))
-    res = fit(path)
-    assert marker.exists()  # the worker did die at step 3 ...
-    assert res.resumed_from_step == 2  # ... and the restarted group resumed from the step-2 checkpoint
-    assert res.steps == per_epoch and res.samples == train_rows(features)
-    steps = [h["step"] for h in res.history]
-    assert steps == sorted(set(steps)) and steps[-1] == per_epoch
-
-    monkeypatch.delenv("DFLASH_FAIL_AT_STEP")
-    again = fit(path, "train.epochs=2")  # the same run name: picks up where it stopped
-    assert again.resumed_from_step == per_epoch and again.steps == 2 * per_epoch
-    assert again.mlflow_run_id == res.mlflow_run_id and int(again.model_version) == int(res.model_version) + 1
-    assert [h["step"] for h in again.history][: len(steps)] == steps
-
-
-# ---------------------------------------------------------------------------- online features
-@pytest.mark.slow
-def test_online_features_from_token_sequences(cluster, work, target_dir, features, target):
-    from specdec.checkpoint import load_drafter
-
-    rows = [r for f in sorted(Path(features, "shards").glob("*.parquet"))
-            for r in pq.read_table(f, columns=["id", "input_ids", "prompt_tokens"]).to_pylist()]
-    seq = work / "sequences.jsonl"
-    seq.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # online: any layers; distillation from the target's law computed in the worker; dropout
-    res = fit(recipe(work, target_dir, "online", online=True, sequences=str(seq), max_steps=10, eval_every=5,
-                     distill=0.5, dropout=0.1), "drafter.layer_ids=[1, 3]", "drafter.draft_vocab_size=16")
-    assert res.steps == 10 and res.history[-1]["holdout_loss"] < res.history[0]["holdout_loss"]
-    cfg = json.loads((Path(res.drafter_dir) / "config.json").read_text())
-    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["dflash_ray"]["online_features"] is True
-    assert cfg["dflash_ray"]["draft_vocab_size"] == len(load_drafter(res.drafter_dir).draft_vocab) >= 16
-    assert cfg["dflash_ray"]["features_manifest_sha256"] is None and cfg["dflash_ray"]["features_uri"] == str(seq)
 
 
 def test_distill_needs_a_feature_run_with_teacher_logprobs(cluster, work, target_dir, features):

@@ -44,9 +44,10 @@ def test_vllm_applies_our_window(setup):
     assert windowed.config.layer_windows == [WINDOW] * windowed.config.num_hidden_layers
     ar = Engine(target).generate([Request(p, MAX_NEW, stop_ids=frozenset()) for p in prompts])
 
-    def ours(drafter):
-        return [sorted(Engine(target, DFlashProposer(drafter, target), width=BLOCK).generate(
-            [Request(p, MAX_NEW, stop_ids=frozenset())])[0].stats.accepted) for p in prompts]
+    def ours(drafter):  # the prompts as one batch: each request's cycles are its own
+        out = Engine(target, DFlashProposer(drafter, target), width=BLOCK).generate(
+            [Request(p, MAX_NEW, stop_ids=frozenset()) for p in prompts])
+        return [sorted(r.stats.accepted) for r in out]
 
     theirs = []
     for p, a in zip(prompts, ar):
@@ -55,9 +56,9 @@ def test_vllm_applies_our_window(setup):
         theirs.append(sorted(accepted))
     near, far = _l1(ours(windowed), theirs), _l1(ours(full.to(windowed.dtype)), theirs)
     print(f"accepted-length histogram L1 vs vLLM: windowed {near}, full attention {far}")
-    # equal up to near-ties flipped by kernel rounding: with the B=4 reference, 5 over these 6
-    # prompts x 48 tokens, as many as vLLM and our engine differ by with full attention on both
-    # sides; the window itself moves the histograms by 29
+    # equal up to near-ties flipped by kernel rounding: with the B=4 reference, 3 over these 6
+    # prompts x 48 tokens (5 when our engine ran them one at a time), as many as vLLM and our engine
+    # differ by with full attention on both sides; the window itself moves the histograms by 29
     assert near <= 8 and far >= near + 12  # and the window changed the drafts
 
 
