@@ -58,8 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--challenger", default="latest", help="version number, 'latest' or an alias (default: latest)")
     ap.add_argument("--prompts", default=None,
                     help="held-out prompts: sharegpt (holdout split) | humaneval | longctx | path (.jsonl, .json, "
-                         ".parquet), or several separated by commas (sharegpt,longctx), each measured side by side "
+                         ".parquet), captured:<capture uri> (held-out served traffic, see --captured-holdout), or "
+                         "several separated by commas (sharegpt,longctx), each measured side by side "
                          "(default: sharegpt; sharegpt,longctx for a challenger tagged context=long)")
+    ap.add_argument("--captured-holdout", type=float, default=0.05,
+                    help="captured:<uri> sets: the share of captured prompts held out from training, by hash (the "
+                         "feature runs' features.prompts.holdout_fraction; default 0.05)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None, help="draft block size (default: each drafter's own)")
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             tracking_uri=args.tracking_uri, model=name, target=args.target, target_dtype=args.target_dtype,
             challenger=challenger, prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
-            lookup_block=args.lookup_block,
+            lookup_block=args.lookup_block, captured_holdout=args.captured_holdout,
             margin=args.margin, metric=args.metric, tolerance=args.tolerance, dry_run=args.dry_run, experiment=args.experiment,
             seed=args.seed, out=args.out)
         try:

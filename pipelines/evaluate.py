@@ -184,6 +184,39 @@ class EvalSettings:
     batch_size: int = 1
     seed: int = 0
     lookup_block: int = 0  # > 1: each drafter with prompt lookup beside it (serving's lookup_block)
+    # captured:<uri> sets: the share of captured prompts held out from feature runs over them
+    # (their features.prompts.holdout_fraction): only these are measured
+    captured_holdout: float = 0.05
+    captured_options: dict | None = None  # fsspec options for captured:<s3 uri> (else the AWS_* environment)
+
+
+CAPTURED = "captured:"  # a prompt set of held-out served traffic: captured:<capture uri>
+
+
+def load_prompt_set(target, source: str, n: int, captured_holdout: float = 0.05,
+                    captured_options: dict | None = None) -> tuple[list[str], list[list[int]]]:
+    """``n`` prompts of ``source`` as token ids: a prompt source (specdec.bench.load_prompt_ids),
+    or ``captured:<uri>``, the served traffic captured there whose prompts fall in the held-out
+    split at ``captured_holdout`` (a feature run over the same captures with that
+    ``prompts.holdout_fraction`` and ``split: train`` never saw them), as the target saw them."""
+    import itertools
+
+    from specdec.bench import BenchError, load_prompt_ids
+
+    if not source.startswith(CAPTURED):
+        return load_prompt_ids(target, source, n)
+    from pipelines.config import CapturedSection, ConfigError
+    from pipelines.features.captured import iter_captured
+
+    try:
+        samples = list(itertools.islice(iter_captured(CapturedSection(uris=[source[len(CAPTURED):]]), "holdout",
+                                                      captured_holdout, captured_options), n))
+    except ConfigError as e:
+        raise BenchError(f"cannot read prompts {source!r}: {e}") from None
+    if not samples:
+        raise BenchError(f"no held-out prompts in {source!r} (a {captured_holdout:g} share of the captured prompts "
+                         "is held out; capture more traffic or raise --captured-holdout)")
+    return [s.id for s in samples], [s.prompt_ids for s in samples]
 
 
 def load_target_for(ref: str | None, dtype: str, from_flag: bool):
@@ -211,7 +244,7 @@ def evaluate_versions_on(tracking_uri: str, state: ModelState, challenger: str, 
     """:func:`evaluate_versions` on several prompt sets: the lineage is checked and the
     target and drafters loaded once, then one side-by-side :func:`measure` per set (each
     set's prompts are read before anything is measured). Returns ({set: report}, target)."""
-    from specdec.bench import BenchError, load_prompt_ids
+    from specdec.bench import BenchError
     from specdec.checkpoint import DrafterMismatchError, load_drafter
 
     name = state.name
@@ -239,7 +272,8 @@ def evaluate_versions_on(tracking_uri: str, state: ModelState, challenger: str, 
     loaded = {}
     for source in prompt_sets:
         try:
-            loaded[source] = load_prompt_ids(target, source, settings.num_prompts)
+            loaded[source] = load_prompt_set(target, source, settings.num_prompts, settings.captured_holdout,
+                                             settings.captured_options)
         except BenchError as e:
             raise EvaluationError(str(e)) from None
     reports = {}

@@ -92,6 +92,8 @@ class PromoteConfig:
     margin: float = DEFAULT_MARGIN
     metric: str = DEFAULT_METRIC
     tolerance: float = DEFAULT_TOLERANCE  # several prompt sets: the most the challenger may lose on any
+    captured_holdout: float = 0.05  # captured:<uri> sets: the held-out share of the captured prompts
+    captured_options: dict | None = None  # and their fsspec options (s3: else the AWS_* environment)
     dry_run: bool = False
     experiment: str | None = None  # None: <model>-promotion
     seed: int = 0
@@ -109,6 +111,8 @@ class PromoteConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise PromoteError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 < self.captured_holdout < 1:
+            raise PromoteError(f"--captured-holdout: expected a fraction in (0, 1), got {self.captured_holdout}")
         if self.lookup_block < 0:
             raise PromoteError(f"--lookup-block: expected an integer >= 0 (0 or 1: off), got {self.lookup_block}")
         if self.block_size is not None:
@@ -138,11 +142,15 @@ class PromoteConfig:
     def settings(self) -> EvalSettings:
         first = self.prompts[0] if self.prompts else DEFAULT_PROMPTS
         return EvalSettings(self.target, self.target_dtype, first, self.num_prompts, self.max_new_tokens,
-                            self.block_size, self.batch_size, self.seed, self.lookup_block)
+                            self.block_size, self.batch_size, self.seed, self.lookup_block, self.captured_holdout,
+                            self.captured_options)
 
 
 def set_label(source: str) -> str:
-    """A prompt set's short name: built-in names as they are, a file by its stem."""
+    """A prompt set's short name: built-in names as they are, a file by its stem, captured
+    traffic as ``captured``."""
+    if source.startswith("captured:"):
+        return "captured"
     return Path(source).stem if ("/" in source or "." in source) else source
 
 

@@ -207,6 +207,23 @@ def _entrypoint(job: dict) -> tuple[Path, Path, list[str]]:
     return _repo_path(argv[1]), _repo_path(config), sets
 
 
+def test_the_adaptation_loop_runs_nightly_on_the_shared_cluster():
+    """cluster/kuberay/raycronjob-adapt.yaml: a pass of jobs/adapt_drafter.py on the RayCluster,
+    one at a time, its recipe valid with the manifest's overrides (captures and state in S3)."""
+    from pipelines.adapt import load_adapt_recipe
+
+    (cron,) = _by_kind("RayCronJob")
+    job = cron["spec"]["jobTemplate"]
+    script, config, sets = _entrypoint({"spec": job})
+    assert script == REPO / "jobs" / "adapt_drafter.py" and script.is_file()
+    assert cron["spec"]["schedule"].count(" ") == 4 and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    (cluster,) = _by_kind("RayCluster")
+    assert job["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    section, data = load_adapt_recipe(str(config), sets)
+    assert section.state.startswith("s3://") and all(u.startswith("s3://") for u in section.captures)
+    assert data["features"]["output"].startswith("s3://") and data["train"]["use_gpu"] is True
+
+
 @pytest.mark.parametrize("fname", ["rayjob-features.yaml", "rayjob-train.yaml"])
 def test_rayjob_entrypoints_exist(fname):
     (job,) = [d for f, d in _docs() if f == fname]

@@ -245,6 +245,47 @@ def test_dataset_answers_are_teacher_forced_without_generation(ray_address, work
     assert {r["finish_reason"] for r in stored.values()} == {"stop", "length"}  # both cases exercised
 
 
+def test_captured_traffic_is_teacher_forced_without_generation(ray_address, work, tiny_dir, tiny):
+    """prompts.source captured (generation.backend captured): the records serve_app's capture
+    writer left become prompt + the target's answer as served, one per prompt (a prompt asked
+    again adds nothing), only the window's, capped; features from one target pass."""
+    from pipelines.features.captured import sample_id
+    from serve_app.capture import CaptureWriter
+    from serve_app.config import CaptureSettings
+    from specdec.engine import Engine, Request
+
+    writer = CaptureWriter(CaptureSettings(uri=str(work / "captured"), flush_s=0.05), "replica-a")
+    prompts = [tiny.encode_chat([{"role": "user", "content": f"Captured question {i}?"}]) for i in range(5)]
+    answers = [r.tokens for r in Engine(tiny).generate([Request(p, 14) for p in prompts])]
+    now = time.time()
+    records = [(p, a, now) for p, a in zip(prompts, answers)] + [(prompts[0], answers[1], now + 1),  # asked again
+                                                                   (prompts[4][:3], answers[4], now - 86400)]  # before
+    for i, (p, a, t) in enumerate(records):
+        assert writer.offer({"request_id": f"r{i}", "time": t, "model": "tiny", "drafter_source": "", "drafter_version": "",
+                             "prompt_ids": p, "answer_ids": a, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                             "max_tokens": 14, "finish_reason": "length", "accepted": []})
+    writer.close()
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 3600))
+    cfg = load_features_config(recipe(work, tiny_dir, "captured", str(work / "run-captured"), "captured",
+                                      prompts={"captured": {"uris": [str(work / "captured")], "since": since}},
+                                      generation={"backend": "captured", "max_new_tokens": 10}))
+    summary = run_features(cfg)
+    uri = storage.absolute_uri(cfg.output)
+    m = load_manifest(uri)
+    assert summary["num_samples"] == m["num_samples"] == 5 and verify_features(uri).ok
+    stored = {r["id"]: r for r in read_features(uri, **expected_for(tiny, LAYERS)).take_all()}
+    assert sorted(stored) == sorted(sample_id(p) for p in prompts)
+    layout = FeatureLayout.from_manifest(m)
+    for p, a in zip(prompts, answers):
+        dec = layout.decode_row(stored[sample_id(p)])
+        assert dec["input_ids"].tolist() == p + a[:10] and stored[sample_id(p)]["finish_reason"] == "length"
+        assert dec["loss_mask"].tolist() == [False] * len(p) + [True] * min(len(a), 10)
+        ids = dec["input_ids"][None]
+        ref = tiny(ids, torch.arange(ids.shape[1])[None], None, None, LAYERS).features[0]
+        torch.testing.assert_close(dec["features"], ref, rtol=2e-3, atol=2e-3)
+    assert m["generation"]["backend"] == "captured" and m["prompts"]["captured"]["since"].startswith(since[:10])
+
+
 def test_restart_with_other_settings_is_refused(local_run):
     cfg, _ = local_run
     changed = copy.deepcopy(cfg)

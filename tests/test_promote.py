@@ -306,6 +306,51 @@ def test_long_context_challenger_is_judged_on_every_prompt_set(work, target, tar
     assert "long" in lines[v3] and f"v{v1}" in lines[v3] and "long" not in lines[v1]
 
 
+def test_held_out_captured_traffic_is_a_prompt_set(work, target, target_dir, capsys, monkeypatch):
+    """--prompts captured:<uri>: the served traffic captured there (serve_app/capture.py's files)
+    whose prompts fall in the held-out split at --captured-holdout, measured as the target saw
+    them (token ids), side by side like any set; none held out is a clear error."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.features.captured import sample_id
+    from serve_app.capture import CAPTURE_SCHEMA
+    from specdec.prompts import is_holdout
+
+    prompts = [target.encode_chat([{"role": "user", "content": "go " * (i % 9 + 1) + str(i)}]) for i in range(24)]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows = [{"request_id": f"r{i}", "time": now, "model": "cyclic", "drafter_source": "", "drafter_version": "",
+             "prompt_ids": p, "answer_ids": [1, 2], "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 2,
+             "finish_reason": "length", "accepted": []} for i, p in enumerate(prompts)]
+    (work / "traffic" / "date=2026-12-07").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=CAPTURE_SCHEMA), work / "traffic" / "date=2026-12-07" / "a.parquet")
+    held = {sample_id(p): p for p in prompts if is_holdout(sample_id(p), 0.25)}
+    assert 2 <= len(held) <= 12
+
+    db = f"sqlite:///{work}/captured-set/mlflow.db"
+    v1 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "traffic-a")
+    seen = {}
+
+    def measure(target, candidates, prompts, prompt_ids, *args, **kw):
+        seen.update(zip(prompt_ids, prompts))
+        return real(target, candidates, prompts, prompt_ids, *args, **kw)
+
+    real = E.measure
+    monkeypatch.setattr(E, "measure", measure)
+    base = ["--tracking-uri", db, "--model", MODEL, "--prompts", f"captured:{work}/traffic", "--captured-holdout",
+            "0.25", "--max-new-tokens", "16"]
+    code, out, err = run_job(capsys, *base, "--num-prompts", "2", "--challenger", v1)
+    assert code == 0 and "PROMOTED" in out, err  # the copy-anchor drafter beats the target alone
+    assert len(seen) == 2 and all(held[i] == p for i, p in seen.items())  # held-out prompts, as served
+    assert tags(db, MODEL, v1)["eval.prompts"] == f"captured:{work}/traffic"
+    v2 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "traffic-b")
+    code, out, err = run_job(capsys, *base[:-4], "--captured-holdout", "1e-9", "--max-new-tokens", "16",
+                             "--challenger", v2, "--dry-run")
+    assert code == 2 and "no held-out prompts in 'captured:" in err, (out, err)
+
+
 def test_register_a_drafter_directory_as_the_first_champion(work, target, target_dir, capsys, monkeypatch):
     """--register DIR (how the packaged reference drafter becomes the first champion): a new
     store is created, the directory becomes v1 with its lineage and weights hash, and is

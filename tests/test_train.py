@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -46,6 +47,13 @@ def test_recipe_errors_name_the_field():
         ({"train": {}}, r"^train\.run_name: required"),
         ({"train": {"run_name": "r", "features": []}}, r"^train\.features: expected a feature run \(string\) or"),
         ({"train": {"run_name": "r", "features": ["a", "a"]}}, r"^train\.features: a feature run is listed twice"),
+        ({"train": {"run_name": "r", "replay": {"features": "a", "share": 1.0}}},
+         r"^train\.replay\.share: expected number in \(0, 1\), got 1\.0"),
+        ({"train": {"run_name": "r", "replay": {"features": []}}}, r"^train\.replay\.features: expected a feature run"),
+        ({"train": {"run_name": "r", "features": ["a", "b"], "replay": {"features": ["b"]}}},
+         r"^train\.replay\.features: \['b'\] is also in train\.features"),
+        ({"train": {"run_name": "r", "online": True, "sequences": "x", "replay": {"features": "a"}}},
+         r"^train\.replay\.features: replays stored feature runs"),
         ({"drafter": {"block_size": 1}}, r"^drafter\.block_size: expected int >= 2, got 1"),
         ({"drafter": {"num_layers": "two"}}, r"^drafter\.num_layers: expected int, got 'two'"),
         ({"registry": {"register": "yes"}}, r"^registry\.register: expected true or false"),
@@ -61,13 +69,19 @@ def test_recipe_errors_name_the_field():
     one = parse_recipe({**base, "train": {"run_name": "r", "features": ["a"]}})
     assert one.train.features == "a" and one.config_hash() == parse_recipe(
         {**base, "train": {"run_name": "r", "features": "a"}}).config_hash()  # same data, same lineage
+    replayed = parse_recipe({**base, "train": {"run_name": "r", "features": "a", "replay": {"features": ["p"]}}})
+    assert replayed.train.replay.uris == ["p"] and replayed.config_hash() != one.config_hash()
     elastic = parse_recipe({**base, "train": {"run_name": "r", "num_workers": [1, 4]}})
     assert elastic.train.num_workers == (1, 4) and elastic.model_name == "dflash-smollm2-135m"
     from ray.train import ScalingConfig
 
     assert ScalingConfig(num_workers=elastic.train.num_workers).elasticity_enabled
+    from pipelines.adapt import load_adapt_recipe
+
     for path in sorted((REPO / "configs").glob("*.yaml")):  # every shipped recipe is valid
         r = load_train_recipe(path)
+        if "adapt:" in path.read_text():  # and a loop's recipe as each window's
+            load_adapt_recipe(str(path))
         assert r.model_name == f"dflash-{target_slug(r.features.target.model)}", path  # what serving looks up
         assert path.stem.startswith(target_slug(r.features.target.model)), path
     assert target_slug("/models/Qwen3-8B/") == "qwen3-8b" and target_slug(None) == "smollm2-135m"
@@ -220,16 +234,28 @@ def test_resuming_with_another_drafter_shape_is_refused(ddp_run, work, target_di
 def test_several_feature_runs_fine_tune_the_parent_as_one(ddp_run, work, target_dir, features):
     """train.features as a list: the runs' rows are read as one training set (an epoch
     covers both), with both runs in the lineage; runs of another layout are refused.
-    drafter.init_from (one fit for both, a fit's fixed cost being most of its time): the
+    drafter.init_from (one fit for all three, a fit's fixed cost being most of its time): the
     new run's untrained baseline is the parent's held-out tau (the copy holds the same
-    held-out rows), not an untrained drafter's; the parent is in the lineage."""
+    held-out rows), not an untrained drafter's; the parent is in the lineage. train.replay:
+    the parent's rows chosen by their ids' replay hash join the epoch, named in the lineage."""
     import hashlib
 
-    second = work / "features-second"
+    from pipelines.train.data import replay_mask
+
+    second, parents = work / "features-second", work / "features-parent"
     shutil.copytree(features, second)
-    path = recipe(work, target_dir, "two-runs", epochs=1, features=[features, str(second)])
+    shutil.copytree(features, parents)  # the parent's data, replayed (a copy: another run)
+    path = recipe(work, target_dir, "two-runs", epochs=1, features=[features, str(second)],
+                  replay={"features": str(parents), "share": 0.25})
     res = fit(path, f"drafter.init_from={ddp_run.drafter_dir}", "registry.register=false")
-    assert res.samples == 2 * train_rows(features) and res.steps == -(-2 * train_rows(features) // BATCH)
+    ids = [i for f in sorted(Path(parents, "shards").glob("*.parquet")) for i in pq.read_table(f, columns=["id"])
+           .column("id").to_pylist()]
+    fraction = res.extra["replay_fraction"]
+    replayed = int(replay_mask(ids, fraction).sum())
+    assert 0 < fraction < 1 and 0 < replayed < len(ids)  # a share of the parent's rows, not all of them
+    assert res.extra["replay_features_uri"] == str(parents) and res.extra["replay_share"] == 0.25
+    new = 2 * train_rows(features)
+    assert res.samples == new + replayed and res.steps == -(-(new + replayed) // BATCH)
     shas = [hashlib.sha256((Path(f) / "manifest.json").read_bytes()).hexdigest() for f in (features, second)]
     assert res.extra["features_uri"] == f"{features},{second}"
     assert res.extra["features_manifest_sha256"] == hashlib.sha256(",".join(shas).encode()).hexdigest()
@@ -248,6 +274,9 @@ def test_several_feature_runs_fine_tune_the_parent_as_one(ddp_run, work, target_
     with pytest.raises(ConfigError, match=r"^train\.features: the feature run .*features-bf16 stores "
                                           r"FeatureLayout\(dtype='bfloat16'.* runs trained on together need"):
         fit(recipe(work, target_dir, "bad-runs", max_steps=1, features=[features, str(other)]))
+    with pytest.raises(ConfigError, match=r"^train\.replay\.features: the feature run .*features-bf16 stores "
+                                          r"FeatureLayout\(dtype='bfloat16'.* a replay needs the same layers"):
+        fit(recipe(work, target_dir, "bad-replay", max_steps=1, replay={"features": str(other)}))
 
 
 def test_distill_needs_a_feature_run_with_teacher_logprobs(cluster, work, target_dir, features):

@@ -37,7 +37,7 @@ from pipelines.features.manifest import MANIFEST, human_size, utc_now, commit, c
 from pipelines.features.plan import PLAN_DIR, plan_index, write_plan_files
 from pipelines.features.shards import generation_actors
 from pipelines.features.target_pass import resolve_layer_ids
-from pipelines.features.workers import DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate
+from pipelines.features.workers import CapturedAnswers, DatasetAnswers, ExtractFeatures, GenerateAndWrite, Regenerate
 
 log = logging.getLogger(__name__)
 RUN_FILE = "run.json"
@@ -117,6 +117,13 @@ def build_dataset(shards: list[dict], cfg: FeaturesConfig, uri: str, options: di
             fn_constructor_kwargs={"target": target, "generation": gen, "storage_options": options,
                                    "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
             compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25,  # a tokenizer only
+        )
+    elif cfg.generation.backend == "captured":
+        ds = ds.map_batches(
+            CapturedAnswers, batch_size=1, batch_format="pyarrow",
+            fn_constructor_kwargs={"generation": gen, "storage_options": options,
+                                   "max_prompt_tokens": cfg.prompts.max_prompt_tokens},
+            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25,  # reads JSON only
         )
     elif cfg.generation.backend == "hf":
         ds = ds.map_batches(

@@ -25,8 +25,9 @@ PLAN_DIR = "plan"  # one file per pending shard: its samples (removed when the r
 class ShardPlan:
     shard_id: str
     ids: tuple[str, ...]
-    messages: tuple[str, ...]  # JSON, one per sample
-    answers: tuple[str | None, ...] | None = None  # the dataset's answers (generation.backend: dataset)
+    messages: tuple[str, ...]  # JSON, one per sample: chat messages (captured: the prompt's token ids)
+    # the dataset's answers (generation.backend: dataset), or captured ones as JSON (captured.py)
+    answers: tuple[str | None, ...] | None = None
     split: str = "train"  # "holdout": written for evaluation (storage.holdout_fraction), never trained on
 
     def as_row(self) -> dict:
@@ -55,12 +56,9 @@ def iter_plan(cfg: FeaturesConfig, digest=None) -> Iterator[ShardPlan]:
     side and yielded as they fill (ids ``<k>`` and ``h<k>``, 5 digits and more past 99,999),
     the rest at the end. ``digest`` (a sha256) is fed the prompt list as it goes."""
     from pipelines.train.data import holdout_mask
-    from specdec.prompts import iter_prompts
 
     p = cfg.prompts
-    source = iter_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, multi_turn=p.multi_turn,
-                          max_prompt_chars=p.max_prompt_chars, min_prompt_chars=p.min_prompt_chars, dedup=p.dedup)
-    with_answers = cfg.generation.backend == "dataset"
+    with_answers = cfg.generation.backend in ("dataset", "captured")
     fraction, n = cfg.storage.holdout_fraction, cfg.storage.samples_per_shard
     buffers: dict[str, list] = {"train": [], "holdout": []}
     count = {"train": 0, "holdout": 0}
@@ -73,24 +71,42 @@ def iter_plan(cfg: FeaturesConfig, digest=None) -> Iterator[ShardPlan]:
         ids, messages, answers = zip(*rows)
         return ShardPlan(shard_id, ids, messages, answers if with_answers else None, split)
 
-    for prompt in itertools.islice(source, p.skip, None if p.limit is None else p.skip + p.limit):
+    for prompt_id, text, answer in itertools.islice(_samples(cfg), p.skip, None if p.limit is None else p.skip + p.limit):
         # Sources may repeat an id for different conversations; samples need unique keys.
-        seen[prompt.id] += 1
-        sample_id = prompt.id if seen[prompt.id] == 1 else f"{prompt.id}~{seen[prompt.id]}"
-        text = json.dumps(prompt.messages, ensure_ascii=False, sort_keys=True)
+        seen[prompt_id] += 1
+        sample_id = prompt_id if seen[prompt_id] == 1 else f"{prompt_id}~{seen[prompt_id]}"
         if digest is not None:
             digest.update(f"{sample_id}\x1f{text}\x1e".encode())
             if with_answers:
-                digest.update(f"{prompt.reference}\x1e".encode())
+                digest.update(f"{answer}\x1e".encode())
         split = "holdout" if fraction and holdout_mask([sample_id], fraction)[0] else "train"
-        buffers[split].append((sample_id, text, prompt.reference if with_answers else None))
+        buffers[split].append((sample_id, text, answer if with_answers else None))
         if len(buffers[split]) == n:
             yield cut(split)
     if not (count["train"] or count["holdout"] or buffers["train"] or buffers["holdout"]):
-        raise ConfigError(f"features.prompts: no prompts left from {p.source!r} after the split and filters")
+        where = (f"captured traffic at {', '.join(p.captured.uris)} (since {p.captured.since}, until "
+                 f"{p.captured.until}, model {p.captured.model}, max_temperature {p.captured.max_temperature})"
+                 if p.source == "captured" else repr(p.source))
+        raise ConfigError(f"features.prompts: no prompts left from {where} after the split and filters")
     for split in ("train", "holdout"):
         if buffers[split]:
             yield cut(split)
+
+
+def _samples(cfg: FeaturesConfig) -> Iterator[tuple[str, str, str | None]]:
+    """``(id, text, answer)`` per prompt of the source, in source order: chat messages as JSON
+    and the dataset's answer, or a captured request's prompt and answer ids (``captured.py``)."""
+    from specdec.prompts import iter_prompts
+
+    p = cfg.prompts
+    if p.source == "captured":
+        from pipelines.features.captured import iter_plan_items
+
+        yield from iter_plan_items(p, cfg.storage.options)
+        return
+    for prompt in iter_prompts(p.source, split=p.split, holdout_fraction=p.holdout_fraction, multi_turn=p.multi_turn,
+                               max_prompt_chars=p.max_prompt_chars, min_prompt_chars=p.min_prompt_chars, dedup=p.dedup):
+        yield prompt.id, json.dumps(prompt.messages, ensure_ascii=False, sort_keys=True), prompt.reference
 
 
 def _plan_order(shard) -> tuple:

@@ -5,6 +5,7 @@
   specdec engine (batched KV-cache decoding) and emits the shard's token sequences.
 * the vllm backend's: :class:`RegenerateVLLM` (``vllm_regen.py``), the same through vLLM.
 * :class:`DatasetAnswers` (dataset backend): the dataset's own answers, no generation.
+* :class:`CapturedAnswers` (captured backend): the target's answers as it served them, no generation.
 * :class:`ExtractFeatures`: one teacher-forced target pass per mini-batch captures the
   selected layers; the shard is written as one Parquet file (a row group per mini-batch)
   and then committed by a small JSON record. It returns one status row per shard.
@@ -110,6 +111,36 @@ class DatasetAnswers:
             response = answer_tokens(self.encode.tokenizer, messages, prompt, answer)
             finish = "stop" if len(response) <= self.max_new_tokens else "length"
             add_sequence(out, sample_id, prompt, response[: self.max_new_tokens], finish)
+        out["gen_tokens"] = 0  # read, not generated
+        out["gen_seconds"] = time.perf_counter() - t0
+        return out
+
+
+class CapturedAnswers:
+    """Ray Data actor (``generation.backend: captured``): each sequence is a captured request's
+    prompt ids followed by the target's answer ids as it served them (``captured.py``), cut to
+    ``max_new_tokens``; prompts over ``max_prompt_tokens`` are skipped and named. No model and
+    no tokenizer: the features come from the teacher-forced pass that follows."""
+
+    def __init__(self, generation: dict, max_prompt_tokens: int, storage_options: dict | None = None):
+        self.storage_options = storage_options
+        self.max_new_tokens, self.max_prompt_tokens = generation["max_new_tokens"], max_prompt_tokens
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.sequences(load_shard_row(row, self.storage_options))
+                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+
+    def sequences(self, shard: dict) -> dict:
+        t0 = time.perf_counter()
+        out = empty_sequences(shard["shard_id"])
+        for sample_id, prompt, answer in zip(shard["ids"], shard["messages"], shard["answers"]):
+            prompt, answer = json.loads(prompt), json.loads(answer)
+            if len(prompt) > self.max_prompt_tokens:
+                out["skipped_ids"].append(sample_id)
+                out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
+                continue
+            cut = len(answer["ids"]) > self.max_new_tokens
+            add_sequence(out, sample_id, prompt, answer["ids"][: self.max_new_tokens], "length" if cut else answer["finish"])
         out["gen_tokens"] = 0  # read, not generated
         out["gen_seconds"] = time.perf_counter() - t0
         return out

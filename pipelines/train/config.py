@@ -62,6 +62,23 @@ class StreamSection:
 
 
 @dataclass
+class ReplaySection:
+    """``train.replay``: rows of the parent drafter's own training data mixed into a fine-tuning
+    run (e.g. on captured traffic, with ``drafter.init_from``), so the drafter keeps the general
+    domain it was trained on while it learns the new one."""
+
+    features: Any = None  # the committed feature run(s) the parent was trained on: a run or a list
+    share: float = option(0.3, check=(lambda v: 0 < v < 1, "in (0, 1)"))  # of the training rows, about
+
+    def __post_init__(self):
+        self.features = _feature_runs(self.features, "train.replay.features")
+
+    @property
+    def uris(self) -> list[str]:
+        return [] if self.features is None else [self.features] if isinstance(self.features, str) else self.features
+
+
+@dataclass
 class TrainSection:
     run_name: str  # a Ray Train run; running the same name again resumes it
     storage_path: str = "runs/train"  # local directory or s3://bucket/prefix (checkpoints, export)
@@ -75,6 +92,7 @@ class TrainSection:
     # nothing stored (pipelines/train/streamed.py); excludes online
     streamed: bool = False
     stream: StreamSection = option(factory=StreamSection)
+    replay: ReplaySection = option(factory=ReplaySection)  # a share of the parent's data mixed in
     sequences: str | None = None  # online/streamed: token rows (Parquet/JSONL: input_ids + loss_mask or prompt_tokens)
     # a LongAlign JSONL ({"messages": [...]} per line): tokenized with the target's chat template
     # (pipelines.longalign), written once to <storage_path>/<run_name>/longalign.parquet and trained
@@ -139,6 +157,15 @@ class TrainSection:
         self.features = _feature_runs(self.features)
         if isinstance(self.stream, dict):  # the workers rebuild the section from its dict
             self.stream = StreamSection(**self.stream)
+        if isinstance(self.replay, dict):
+            self.replay = ReplaySection(**self.replay)
+        if self.replay.uris and self.from_target:
+            raise ConfigError("train.replay.features: replays stored feature runs into a run that reads stored "
+                              "features; it cannot be combined with train.online or train.streamed")
+        mine = [self.features] if isinstance(self.features, str) else self.features or []
+        if set(mine) & set(self.replay.uris):
+            raise ConfigError(f"train.replay.features: {sorted(set(mine) & set(self.replay.uris))} is also in "
+                              "train.features; its rows would count twice")
         if self.streamed and self.online:
             raise ConfigError("train.streamed: cannot be combined with train.online (online runs the target on "
                               "the trainers, streamed on actors of its own, train.stream); pick one")
@@ -173,16 +200,15 @@ class TrainSection:
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
-def _feature_runs(value) -> str | list[str] | None:
+def _feature_runs(value, path: str = "train.features") -> str | list[str] | None:
     """``train.features``: null, one run, or a list of distinct runs (one run in a list is that run)."""
     if value is None or (isinstance(value, str) and value):
         return value
     if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
         if len(set(value)) != len(value):
-            raise ConfigError(f"train.features: a feature run is listed twice in {value!r}; its rows would count "
-                              "double")
+            raise ConfigError(f"{path}: a feature run is listed twice in {value!r}; its rows would count double")
         return value[0] if len(value) == 1 else list(value)
-    raise ConfigError(f"train.features: expected a feature run (string) or a non-empty list of them, got {value!r}")
+    raise ConfigError(f"{path}: expected a feature run (string) or a non-empty list of them, got {value!r}")
 
 
 def _workers(value) -> int | tuple[int, int]:
@@ -263,7 +289,7 @@ class TrainRecipe:
 
 #: (section, key, default) of settings added after recipes were first hashed
 LATER_SETTINGS = (("drafter", "arch", "dflash"), ("drafter", "dflash2", {}), ("train", "streamed", False),
-                  ("train", "selector_alpha", 1.0))
+                  ("train", "selector_alpha", 1.0), ("train", "replay", {"features": None, "share": 0.3}))
 
 
 def parse_recipe(data: dict, source: str = "") -> TrainRecipe:

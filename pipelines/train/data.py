@@ -30,6 +30,24 @@ def holdout_mask(ids: list[str], fraction: float) -> np.ndarray:
     return np.array([int.from_bytes(hashlib.sha256(i.encode()).digest()[:4], "big") < cut for i in ids], dtype=bool)
 
 
+def replay_mask(ids: list[str], fraction: float) -> np.ndarray:
+    """True for the ids a replay keeps (``train.replay``): a hash of its own, so the choice is
+    independent of the held-out split's (a share of the training rows, not of one end of it)."""
+    cut = int(fraction * 2**32)
+    return np.array([int.from_bytes(hashlib.sha256(f"replay\x1f{i}".encode()).digest()[:4], "big") < cut
+                     for i in ids], dtype=bool)
+
+
+def replay_fraction(new_rows: int, replay_rows: int, share: float) -> float:
+    """The fraction of the replay runs' rows that makes them about ``share`` of the training rows
+    (all of them when they are too few)."""
+    return min(1.0, share / (1 - share) * new_rows / max(1, replay_rows))
+
+
+def keep_replayed(table: pa.Table, fraction: float) -> pa.Table:
+    return table.filter(pa.array(replay_mask(table.column("id").to_pylist(), fraction)))
+
+
 def _keep_split(table: pa.Table, fraction: float, holdout: bool) -> pa.Table:
     mask = holdout_mask(table.column("id").to_pylist(), fraction)
     return table.filter(pa.array(mask if holdout else ~mask))

@@ -20,7 +20,7 @@ import torch
 from pipelines import registry, storage
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainRecipe
-from pipelines.train.data import manifest_sha256, read_sequences, split_holdout
+from pipelines.train.data import keep_replayed, manifest_sha256, read_sequences, replay_fraction, split_holdout
 from pipelines.train.heldout import HeldOut, held_out_blocks
 from pipelines.train.longalign_rows import longalign_rows
 from pipelines.train.runner import TrainState, latest_checkpoint_state
@@ -79,6 +79,10 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
     drafter, parent = _initial_drafter(recipe, cfg, target, tracking_uri)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
     datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifests, options, sequences)
+    replay = _replay(recipe, datasets, train_rows, layout, {"target_identity": target.identity, "tokenizer_hash": tok_hash,
+                                                            "layer_ids": list(layer_ids),
+                                                            "hidden_size": target.hidden_size}, options)
+    train_rows += replay.get("replay_rows", 0)
     _choose_draft_vocab(recipe, drafter, target, manifests, options, datasets["train"])
     if tc.streamed:  # from token rows to rows with features, computed by target actors of their own
         datasets = stream_datasets(recipe, datasets, dataclasses.asdict(spec) | {"identity": target.identity},
@@ -93,7 +97,7 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
         "recipe": recipe.source, "block_size": cfg.block_size, "num_layers": cfg.num_hidden_layers,
         "target_layer_ids": list(cfg.target_layer_ids), "online_features": tc.online,
         **({"streamed_features": True} if tc.streamed else {}), **parent,
-        **{k: v for k, v in longalign.items() if k != "uri"}, **recipe.version_tags,
+        **{k: v for k, v in longalign.items() if k != "uri"}, **replay, **recipe.version_tags,
     }
     run_id = _start_mlflow_run(recipe, tracking_uri, lineage, run_uri, resume_cfg)
     lineage["mlflow_run_id"] = run_id
@@ -104,6 +108,42 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
                    layout=_collate_layout(layout, tc.distill), train_rows=train_rows,
                    lineage=lineage, tracking_uri=tracking_uri, run_id=run_id, run_uri=run_uri,
                    storage_options=tc.storage_options, resume=resume, mlflow_live=_mlflow_live(tracking_uri))
+
+
+def _replay(recipe: TrainRecipe, datasets: dict, new_rows: int, layout, expect: dict, options: dict) -> dict:
+    """``train.replay``: a share of the parent's training rows (by a hash of their ids; never
+    their held-out shards) added to ``datasets["train"]``, after the held-out rows were chosen
+    from the new runs. Returns the lineage fields ({} without a replay)."""
+    from pipelines.features import has_holdout_shards, load_manifest, read_features
+    from pipelines.features.format import FeatureLayout
+
+    rp = recipe.train.replay
+    if not rp.uris:
+        return {}
+    parts, rows = [], 0
+    for uri in map(storage.absolute_uri, rp.uris):
+        try:
+            m = load_manifest(uri, options)
+        except FileNotFoundError as e:
+            raise ConfigError(f"train.replay.features: {e}") from None
+        if layout is not None and FeatureLayout.from_manifest(m) != layout:
+            raise ConfigError(f"train.replay.features: the feature run {uri} stores {FeatureLayout.from_manifest(m)}, "
+                              f"but the training runs store {layout}; a replay needs the same layers and layout")
+        held = has_holdout_shards(m)
+        rows += m["num_samples"] - (m.get("holdout", {}).get("num_samples", 0) if held else 0)
+        parts.append(read_features(uri, storage_options=options, split="train" if held else None, **expect))
+    fraction = replay_fraction(new_rows, rows, rp.share)
+    first, *rest = parts
+    replayed = (first.union(*rest) if rest else first).map_batches(
+        keep_replayed, batch_format="pyarrow", batch_size=None, fn_kwargs={"fraction": fraction})
+    # after the new rows in each epoch's stream (the workers' shuffle buffer mixes them locally):
+    # a global shuffle would read every row before the first step
+    datasets["train"] = datasets["train"].union(replayed)
+    log.info("replaying %.1f%% of %d rows of %s beside %d new rows (train.replay.share %.2f)", 100 * fraction, rows,
+             ", ".join(rp.uris), new_rows, rp.share)
+    return {"replay_features_uri": ",".join(map(storage.absolute_uri, rp.uris)),
+            "replay_manifest_sha256": _manifests_sha256(list(map(storage.absolute_uri, rp.uris)), options),
+            "replay_share": rp.share, "replay_fraction": round(fraction, 6), "replay_rows": int(round(fraction * rows))}
 
 
 def _load_manifests(recipe: TrainRecipe, options: dict, sequences: str | None) -> dict:
