@@ -75,7 +75,24 @@ class Regenerate:
         return out
 
 
-class DatasetAnswers:
+class _AnswersStage:
+    """A stage whose answers are given, not generated: one shard row in, its sequences out."""
+    storage_options: dict | None = None
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.sequences(load_shard_row(row, self.storage_options))
+                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
+
+    def sequences(self, shard: dict) -> dict:
+        raise NotImplementedError
+
+
+def _skip(out: dict, sample_id: str, reason: str) -> None:
+    out["skipped_ids"].append(sample_id)
+    out["skipped_reasons"].append(reason)
+
+
+class DatasetAnswers(_AnswersStage):
     """Stateful Ray Data actor (``generation.backend: dataset``): each sequence is the prompt
     followed by the dataset's own assistant answer, rendered by the chat template and
     ended by the target's end-of-turn token, as the target would have ended it. Nothing is
@@ -93,10 +110,6 @@ class DatasetAnswers:
         self.encode = PromptEncoder(tok, generation["enable_thinking"], max_prompt_tokens)
         self.max_new_tokens = generation["max_new_tokens"]
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.sequences(load_shard_row(row, self.storage_options))
-                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
-
     def sequences(self, shard: dict) -> dict:
         t0 = time.perf_counter()
         out = empty_sequences(shard["shard_id"])
@@ -105,8 +118,7 @@ class DatasetAnswers:
             prompt = self.encode(messages)
             reason = SKIP_NO_ANSWER if not answer else SKIP_PROMPT_TOO_LONG if prompt is None else None
             if reason:
-                out["skipped_ids"].append(sample_id)
-                out["skipped_reasons"].append(reason)
+                _skip(out, sample_id, reason)
                 continue
             response = answer_tokens(self.encode.tokenizer, messages, prompt, answer)
             finish = "stop" if len(response) <= self.max_new_tokens else "length"
@@ -116,7 +128,7 @@ class DatasetAnswers:
         return out
 
 
-class CapturedAnswers:
+class CapturedAnswers(_AnswersStage):
     """Ray Data actor (``generation.backend: captured``): each sequence is a captured request's
     prompt ids followed by the target's answer ids as it served them (``captured.py``), cut to
     ``max_new_tokens``; prompts over ``max_prompt_tokens`` are skipped and named. No model and
@@ -126,18 +138,13 @@ class CapturedAnswers:
         self.storage_options = storage_options
         self.max_new_tokens, self.max_prompt_tokens = generation["max_new_tokens"], max_prompt_tokens
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.sequences(load_shard_row(row, self.storage_options))
-                                     for row in batch.to_pylist()], schema=SEQUENCES_SCHEMA)
-
     def sequences(self, shard: dict) -> dict:
         t0 = time.perf_counter()
         out = empty_sequences(shard["shard_id"])
         for sample_id, prompt, answer in zip(shard["ids"], shard["messages"], shard["answers"]):
             prompt, answer = json.loads(prompt), json.loads(answer)
             if len(prompt) > self.max_prompt_tokens:
-                out["skipped_ids"].append(sample_id)
-                out["skipped_reasons"].append(SKIP_PROMPT_TOO_LONG)
+                _skip(out, sample_id, SKIP_PROMPT_TOO_LONG)
                 continue
             cut = len(answer["ids"]) > self.max_new_tokens
             add_sequence(out, sample_id, prompt, answer["ids"][: self.max_new_tokens], "length" if cut else answer["finish"])
