@@ -159,7 +159,9 @@ def _run_window(section: AdaptSection, data: dict, state: dict, window: dict, op
     earlier = [w["features_uri"] for w in state.get("windows", [])]
     if "version" not in window:
         recipe = parse_recipe(window_recipe(data, section, window["k"], window["since"], window["until"], earlier,
-                                            window.get("init_from") or _champion_uri(data, section, path)), path)
+                                            window.get("init_from")), path)
+        if recipe.drafter.init_from is None:  # the recipe names no parent: the champion, if there is one
+            recipe.drafter.init_from = _champion_uri(recipe)
         window["init_from"] = recipe.drafter.init_from
         summary = run_features(recipe.features)
         window.update(features_uri=summary["uri"], samples=summary.get("num_samples"))
@@ -171,11 +173,8 @@ def _run_window(section: AdaptSection, data: dict, state: dict, window: dict, op
     return window
 
 
-def _champion_uri(data: dict, section: AdaptSection, path: str) -> str | None:
-    """``models:/<model>@champion`` when the model has a champion, else None (the recipe's own init)."""
-    from pipelines.train.config import parse_recipe
-
-    recipe = parse_recipe(window_recipe(data, section, 1, None, "2000-01-01T00:00:00+00:00", []), path)
+def _champion_uri(recipe) -> str | None:
+    """``models:/<model>@champion`` when the recipe's model has a champion, else None."""
     uri = registry.resolve_tracking_uri(recipe.registry.tracking_uri)
     try:
         champion = registry.read_model(uri, recipe.model_name).champion
