@@ -66,6 +66,15 @@ def test_config_errors_name_the_field():
 
 
 # ------------------------------------------------------------------------------ end to end
+def _verdict(rec: dict) -> bool:
+    """The promotion rule's verdict on the evaluations a promotion job recorded (demo summary)."""
+    from pipelines.evaluate import Evaluation
+    from pipelines.promotion_rule import decide
+
+    ev = {role: Evaluation(**e) for role, e in rec["evaluations"].items()}
+    return decide(ev["challenger"], ev.get("champion"), "tau").promote
+
+
 def _demo(out: Path, target: Path, reference: Path, *extra: str, timeout: float = 900):
     argv = [sys.executable, "jobs/demo.py", "--out", str(out), "--target", str(target), "--reference", str(reference),
             "--prompts", str(PROMPTS), "--max-new-tokens", "24", "--steps", "24", "--metric", "tau", "--eval-prompts", "2",
@@ -119,8 +128,12 @@ class TestDemo:
         ray_tmp = Path(load_state(demo["out"] / "stack")["ray"]["temp_dir"])  # the engine's verdicts, from its log
         why = [line for f in ray_tmp.glob("session_*/logs/serve/replica_dflash_DFlashReplica_*.log")
                for line in f.read_text().splitlines() if "speculation o" in line]
-        assert s["results"]["speedup"] > 0 and (spec["tau"] or 0) > 1.3, (spec, why)  # it speculated
-        assert why and "speculation on at 1 rows" in why[0], why
+        assert s["results"]["speedup"] > 0
+        if s["reference"]["decision"] == "PROMOTED":  # @champion is copy-the-anchor: served, it speculates
+            assert (spec["tau"] or 0) > 1.3, (spec, why)
+            assert why and "speculation on at 1 rows" in why[0], why
+        elif s["promotion"]["champion"] is None:  # no @champion, no packaged reference: the target alone
+            assert spec["tau"] is None and not spec["draft_tokens"], spec
         assert s["results"]["ar"]["cycles"] > 0 and not s["results"]["ar"]["draft_tokens"]
         assert (demo["out"] / "summary.png").stat().st_size > 10_000
         assert s["stack"]["mlflow"].startswith("http://127.0.0.1:")
@@ -139,10 +152,19 @@ class TestDemo:
         assert tags["features_uri"] == str(demo["out"] / "features") and tags["run_name"] == "demo"
         assert tags["target_identity"] == demo["target"].identity
         assert t["lineage"]["features_uri"] == tags["features_uri"]
-        # the reference (copy the anchor, tau ~2) beat the target alone; the 24-step drafter lost to it
-        assert s["reference"]["decision"] == "PROMOTED" and s["promotion"]["decision"] == "REFUSED"
-        assert state.champion == s["reference"]["version"] != t["version"]
-        assert s["serving"]["drafter"]["version"] == state.champion  # serving follows @champion
+        # each decision is the rule's verdict on the numbers its job measured and recorded; the
+        # reference (copy the anchor, tau ~1.9, ~1.3x here) is judged vs the target alone by speed,
+        # which a loaded machine can turn; the 24-step drafter then vs @champion by tau, or vs the
+        # target alone again when the reference lost
+        ref, promo = s["reference"], s["promotion"]
+        assert ref["evaluations"]["challenger"]["exact"] and promo["evaluations"]["challenger"]["exact"]
+        for rec in (ref, promo):
+            assert rec["decision"] == ("PROMOTED" if _verdict(rec) else "REFUSED"), rec
+        assert ref["evaluations"]["challenger"]["tau"] > 1.5  # acceptance is not timing: copy-the-anchor
+        if ref["decision"] == "PROMOTED":
+            assert "champion" in promo["evaluations"] and promo["decision"] == "REFUSED"  # lost on tau
+            assert state.champion == ref["version"] != t["version"]
+        assert (s["serving"]["drafter"] or {}).get("version") == state.champion  # serving follows @champion
 
     def test_http_answers_equal_target_only_greedy(self, demo):
         from specdec.engine import Engine, Request
