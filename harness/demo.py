@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.demo_console import (HEARTBEAT_S, DemoError, TrainProgress, elapsed, evaluation_progress,
-                                  features_progress, run_logged, say)
+                                  features_progress, interruptible, run_logged, say)
 from harness.demo_metrics import app_metrics, metrics_delta, plot_summary, settled_metrics
 from harness.demo_processes import STATE, alive, http_get, port_or_free
 
@@ -322,7 +322,8 @@ class Demo:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as f:
             proc = subprocess.Popen([str(BIN / "serve"), "run", str(path)], cwd=ROOT, env=self.env, stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=interruptible)
         self.state["serving"] |= {"pid": proc.pid, "config": str(path), "tracking_uri": self.tracking_uri}
         self.save()
         last = time.monotonic()

@@ -79,6 +79,14 @@ def evaluation_progress(line: str) -> str | None:
     return f"{m.group(1)} {m.group(2)}/{m.group(3)} · {m.group(5).strip()} · eta {m.group(4)}" if m else None
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a child we stop with Ctrl-C's signal: SIGINT back to its default. A
+    shell starts a background job (``make demo &``, a CI step) with SIGINT ignored, a child
+    inherits that, and Python then installs no KeyboardInterrupt: ``serve run`` would sit out
+    the SIGINT that should shut its apps down until it is killed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_logged(title: str, cmd: list[str], log: Path, env: dict, progress=None) -> tuple[int, list[str]]:
     """Run ``cmd`` with its output in ``log``; print a line at least every 10 s (the last
     progress ``progress(line)`` made of the output, else 'running'). Returns (exit code, lines)."""
@@ -89,7 +97,7 @@ def run_logged(title: str, cmd: list[str], log: Path, env: dict, progress=None) 
         f.write(f"\n$ {shlex.join(cmd)}\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1, start_new_session=True)
+                                errors="replace", bufsize=1, start_new_session=True, preexec_fn=interruptible)
 
         def pump():
             for line in proc.stdout:

@@ -12,6 +12,7 @@ and the served app speculates with it. The console parsers are checked on their 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,34 @@ def test_run_logged_prints_a_line_at_least_every_heartbeat(tmp_path, monkeypatch
     assert rc == 3 and len(lines) == 3
     assert "features: shards 2/3" in out or "features: shards 3/3" in out, out
     assert (tmp_path / "f.log").read_text().count("\nx: shard committed") == 3  # the full output goes to the log
+
+
+def test_a_child_started_interruptible_stops_on_sigint_even_when_the_parent_ignores_it():
+    """A background shell job starts with SIGINT ignored and its children inherit that: `serve
+    run` would ignore the Ctrl-C that `demo --stop` sends (it was killed after the grace period,
+    20 s per demo stop, 60 s per vLLM HTTP module in background CI runs)."""
+    import signal
+    import time
+
+    code = "import time\nprint('up', flush=True)\ntime.sleep(60)"
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job starts
+    try:
+        procs = {kind: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True, **extra)
+                 for kind, extra in (("inherited", {}), ("interruptible", {"preexec_fn": C.interruptible}))}
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        for p in procs.values():
+            assert p.stdout.readline() == "up\n"
+            os.killpg(p.pid, signal.SIGINT)
+        assert procs["interruptible"].wait(30) != 0 and "KeyboardInterrupt" in procs["interruptible"].stderr.read()
+        time.sleep(0.5)
+        assert procs["inherited"].poll() is None  # the SIGINT was ignored
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
 
 
 def test_config_errors_name_the_field():

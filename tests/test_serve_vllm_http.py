@@ -41,6 +41,7 @@ import torch
 
 from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
 from serve_app.metrics import scrape_totals
+from harness.demo_console import interruptible
 from serve_helpers import (FAST_METRICS, free_port, ingress_fastapi_app, load_until, private_dir, register_drafter,
                            restore_env, route_statuses, wait_for)
 from specdec.checkpoint import load_drafter, save_drafter
@@ -144,7 +145,8 @@ def _serve_run(settings: dict, address: str, log_path) -> subprocess.Popen:
     serve_cli = Path(sys.executable).with_name("serve")
     return subprocess.Popen([str(serve_cli), "run", "--name", "spec", "--route-prefix", "/spec",
                              "serve_app:build_app", *args], cwd=REPO, env={**os.environ, "RAY_ADDRESS": address},
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=interruptible)  # Ctrl-C works even if this suite runs in the background
 
 
 def _stop(proc: subprocess.Popen) -> None:
