@@ -13,6 +13,9 @@ import torch
 # no test drains a node (losing one is tested by killing it), and on 2 cores each process
 # start costs seconds. The clusters the tests start inherit this.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray Train's controller polls its workers every 2 s by default: each fit waits up to that long
+# to see its workers start, report and finish; the tests' fits are seconds long.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # vLLM's default thread binding pins an engine to all cores but one: on this 2-core machine every
 # engine of every lane to core 0, while two lanes run engines at once. Unbound, with one thread
 # each (what the engines Ray places get from their reservation), they share both cores.

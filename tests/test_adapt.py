@@ -11,7 +11,6 @@ promotions), about 1.5 in 2 lanes."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -33,7 +32,6 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
              logging_level="warning", log_to_driver=False)
     yield

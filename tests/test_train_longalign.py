@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -197,7 +196,6 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, logging_level="warning",

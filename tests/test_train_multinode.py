@@ -7,7 +7,6 @@ planned step count and registers the drafter with its lineage."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,6 @@ def two_nodes(tmp_path_factory):
     from s3_helpers import loopback_s3
 
     root = tmp_path_factory.mktemp("multinode")
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     with loopback_s3("dflash") as options:
         # 3 logical CPUs a node: one training worker (2) fits per node, 1 is left for Ray Data's reads
         with two_node_cluster(root, 3) as (c, node):

@@ -5,7 +5,6 @@ feature pipeline, and recipes over it. A module imports the fixtures by name."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -29,8 +28,6 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Ray Train's controller polls workers every 2 s by default; tests checkpoint every few steps
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     started = not ray.is_initialized()
     if started:  # 4 logical CPUs, more than this machine's 2: two training workers of 1 CPU plus
         # Ray Data's read tasks must be schedulable at once (not a user's serving setup)
