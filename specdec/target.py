@@ -233,6 +233,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash-ray"))
 
 
+def save_model_files(model, out: Path) -> None:
+    """The files ``save_pretrained`` writes for a causal LM (config.json, generation_config.json,
+    one model.safetensors, byte for byte), without its unwrap step: that imports DeepSpeed
+    wherever it is installed (7 s of CPU in each process converting a target or making a tiny
+    one). One file of any size, so the converted cache is found again (never sharded)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # one tensor, stored under the embedding's name
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]  # what loaders (vLLM) pick the class by
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """De-quantize a GGUF model once into a safetensors directory that loads in seconds.
 
@@ -259,7 +277,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion: missing={missing} unexpected={unexpected}")
     fresh.generation_config = src.generation_config
-    fresh.save_pretrained(tmp, safe_serialization=True)
+    save_model_files(fresh, tmp)
     tok.save_pretrained(tmp)
     try:
         tmp.rename(out_dir)

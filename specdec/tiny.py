@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.target import Target
+from specdec.target import Target, save_model_files
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "gemma")
 
@@ -58,25 +58,9 @@ def save_tiny_target(out_dir: str | Path, family: str = "llama", seed: int = 0, 
     config.bos_token_id = tok.bos_token_id
     config.pad_token_id = tok.pad_token_id
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _save_model(model, out)
+    save_model_files(model, out)
     tok.save_pretrained(out)
     return out
-
-
-def _save_model(model, out: Path) -> None:
-    """The files ``save_pretrained`` writes for these models (config.json, generation_config.json,
-    model.safetensors), without its unwrap step: that imports DeepSpeed wherever it is installed,
-    7 s of CPU in every process that makes a tiny target."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:  # one tensor, stored under the embedding's name
-        state.pop("lm_head.weight", None)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
 
 
 def random_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1,
@@ -124,7 +108,7 @@ def save_cyclic_target(out_dir: str | Path, period: int = 16, first_token: int =
             embed[tok].zero_()
             embed[tok, k] = 4.0  # the residual stream points along axis k ...
             head[cycle[(k + 1) % period], k] = 10.0  # ... and axis k scores the successor
-    _save_model(model, tmp)
+    save_model_files(model, tmp)
     tmp.rename(out)
     return out
 

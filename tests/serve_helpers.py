@@ -69,6 +69,17 @@ def private_dir(prefix: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def cache_with_embedded_target(cache: Path) -> Path:
+    """A private ``DFLASH_CACHE`` (drafters downloaded there stay the test's own) holding the
+    embedded target's converted copy, linked: each process that finds the cache without it
+    converts the GGUF again, 25 s of CPU (replicas starting together each do)."""
+    from specdec.target import resolve_target_path
+
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "smollm2-135m-instruct").symlink_to(resolve_target_path(None))
+    return cache
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

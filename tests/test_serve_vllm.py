@@ -12,10 +12,10 @@ import pytest
 import requests
 import torch
 
-from serve_helpers import free_port, private_dir, register_drafter
+from serve_helpers import cache_with_embedded_target, free_port, private_dir, register_drafter
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.engine import Engine, Request
-from specdec.target import load_target, resolve_target_path
+from specdec.target import load_target
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
@@ -36,8 +36,7 @@ def cluster():
     with private_dir("two-nodes") as root:
         head_cache, node_cache = root / "head-cache", root / "node-b-cache"
         for cache in (head_cache, node_cache):  # the converted target, linked (not a drafter)
-            cache.mkdir()
-            (cache / "smollm2-135m-instruct").symlink_to(resolve_target_path(None))
+            cache_with_embedded_target(cache)
         drafter = load_drafter(reference_drafter_for(None), target=target)  # its draft vocabulary kept
         save_drafter(drafter, root / "drafter", dtype=torch.float16)
         uri = f"sqlite:///{root}/mlflow.db"

@@ -41,6 +41,34 @@ def test_identity_changes_with_weights(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_saved_model_files_are_save_pretrained_s_byte_for_byte(tmp_path, family):
+    """specdec.target.save_model_files (GGUF conversion, tiny targets) writes the files
+    save_pretrained writes, tied embeddings stored once (gemma), without importing DeepSpeed
+    (save_pretrained's unwrap step does, 7 s of CPU, wherever it is installed)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.target import save_model_files
+    from specdec.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=256), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    save_model_files(model, tmp_path / "ours")
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    if family != "llama":
+        return
+    code = ("import sys; from specdec.tiny import save_tiny_target; save_tiny_target(sys.argv[1], num_layers=1); "
+            "print('deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
 def test_smollm2_loads_from_the_embedded_package(smollm2):
     t = smollm2
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
