@@ -61,7 +61,6 @@ UNSUPPORTED = {
     "max_batch_size": "set vllm_engine_kwargs.max_num_seqs",
     "max_prefill_tokens": "set vllm_engine_kwargs.max_num_batched_tokens",
     "torch_threads": "vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)",
-    "capture": "traffic capture runs on the hf backend for now (serve_app/capture.py)",
 }
 
 
@@ -298,7 +297,10 @@ def vllm_llm_config(cfg: ServeConfig, target_path: str, source: dict | None) -> 
         # server class (serve_app/vllm_server.py) reads the spec-decode counters in-process
         "log_engine_metrics": False,
         "server_cls": "serve_app.vllm_server:DFlashLLMServer",
-        "experimental_configs": {"dflash": {"metrics_push_s": cfg.metrics_push_s, "drafter": drafter_info(source)}},
+        "experimental_configs": {"dflash": {"metrics_push_s": cfg.metrics_push_s, "drafter": drafter_info(source),
+                                            # captured records name the public model, whichever pool answered
+                                            "capture": cfg.capture.model_dump() if cfg.capture else None,
+                                            "served_model": cfg.served_model_name}},
     }
     engine_kwargs["disable_log_stats"] = False
     if on_cpu(cfg):

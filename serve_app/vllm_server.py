@@ -113,9 +113,12 @@ def dflash_llm_server_class():
     from ray import serve
     from ray.serve.llm.deployment import LLMServer
 
-    class DFlashLLMServer(LLMServer):
+    from serve_app.vllm_capture import CapturingServer
+
+    class DFlashLLMServer(CapturingServer, LLMServer):
         """``LLMServer`` + our stats: ``record_autoscaling_stats`` for the policy, and a
-        snapshot pushed to the app's ``MetricsHub`` every ``metrics_push_s`` for ``/metrics``."""
+        snapshot pushed to the app's ``MetricsHub`` every ``metrics_push_s`` for ``/metrics``;
+        traffic capture when the app sets it (serve_app/vllm_capture.py)."""
 
         async def __init__(self, llm_config, **kwargs):
             await super().__init__(llm_config, **kwargs)
@@ -127,6 +130,8 @@ def dflash_llm_server_class():
             self._replica_id = ctx.replica_id.unique_id
             self._hub = serve.get_deployment_handle("MetricsHub", ctx.app_name)
             self._push_s = float(extra.get("metrics_push_s", 1.0))
+            self._start_capture(extra.get("capture"), extra.get("served_model") or llm_config.model_id,
+                                self._replica_id, extra.get("drafter", {}))
             self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
 
         def _read(self) -> None:
@@ -138,7 +143,7 @@ def dflash_llm_server_class():
             while True:
                 try:
                     self._read()
-                    await self._hub.report.remote(self._replica_id, self._stats.snapshot())
+                    await self._hub.report.remote(self._replica_id, {**self._stats.snapshot(), **self._capture_counts()})
                 except Exception as e:  # metrics must never take the replica down
                     log.warning("metrics push failed: %s", e)
                 await asyncio.sleep(self._push_s)
@@ -153,6 +158,7 @@ def dflash_llm_server_class():
             pusher = getattr(self, "_pusher", None)
             if pusher is not None:
                 pusher.cancel()
+            self._stop_capture()
             if getattr(self, "_hub", None) is not None:
                 try:
                     self._hub.forget.remote(self._replica_id)

@@ -804,14 +804,114 @@ def test_pool_router_speculates_up_to_the_bound_and_renames():
 
 
 @pytest.mark.parametrize("setting, value", [("max_tokens_limit", 64), ("request_timeout_s", 5.0),
-                                            ("max_batch_size", 4), ("torch_threads", 2),
-                                            ("capture", {"uri": "/tmp/captured"})])
+                                            ("max_batch_size", 4), ("torch_threads", 2)])
 def test_vllm_backend_refuses_settings_it_would_drop(setting, value):
     from serve_app.vllm_app import UnsupportedSetting, check_settings
 
     check_settings(load_config({"backend": "vllm"}))  # the defaults pass
     with pytest.raises(UnsupportedSetting, match=f"^{setting} is not supported by backend=vllm"):
         check_settings(load_config({"backend": "vllm", setting: value}))
+
+
+def test_vllm_capture_reads_the_ids_vllm_returns_and_hides_them_unless_asked():
+    """The vllm backend's capture: the engine replica asks vLLM for token ids on captured
+    requests and reads them off the responses (whole, or SSE chunks: the prompt's ids in the
+    first, each chunk's new answer ids); a client that did not ask gets its response without
+    them; "store": false, several choices and errors are never captured; the capture
+    settings reach both pools' replicas with the public model name."""
+    import json as _json
+
+    from pydantic import BaseModel, ConfigDict
+
+    from serve_app.vllm_app import vllm_llm_config
+    from serve_app.vllm_capture import CapturingServer, TokenTrail, wants_capture
+
+    class Req(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        n: int = 1
+        temperature: float | None = 0.0
+        top_p: float | None = None
+        max_tokens: int | None = 8
+        request_id: str = "r1"
+
+    assert wants_capture(Req()) and wants_capture(Req(store=True))
+    assert not wants_capture(Req(store=False)) and not wants_capture(Req(n=2))
+
+    class Choice(BaseModel):
+        index: int = 0
+        finish_reason: str | None = None
+        token_ids: list[int] | None = None
+
+    class Resp(BaseModel):
+        prompt_token_ids: list[int] | None = None
+        choices: list[Choice]
+
+    whole = Resp(prompt_token_ids=[1, 2, 3], choices=[Choice(finish_reason="stop", token_ids=[7, 8, 2])])
+    trail = TokenTrail(keep=False)
+    out = trail.read(whole)
+    assert out.prompt_token_ids is None and out.choices[0].token_ids is None  # as if never asked
+    rec = trail.record(Req(), "m", {"source": "models:/d@champion", "version": "3"})
+    assert (rec["prompt_ids"], rec["answer_ids"], rec["finish_reason"]) == ([1, 2, 3], [7, 8, 2], "stop")
+    assert (rec["model"], rec["drafter_version"], rec["max_tokens"], rec["accepted"]) == ("m", "3", 8, [])
+
+    def sse(d):
+        return "data: " + _json.dumps(d) + "\n\n"
+
+    chunks = [[sse({"prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant"}}]})],
+              [sse({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [9]}]}),
+               sse({"choices": [{"index": 0, "delta": {"content": "b"}, "token_ids": [10, 11],
+                                 "finish_reason": "length"}]})], ["data: [DONE]\n\n"]]
+    kept = TokenTrail(keep=True)
+    assert [kept.read(c) for c in chunks] == chunks  # the client asked for the ids: untouched
+    hidden = TokenTrail(keep=False)
+    seen = [_json.loads(s[6:]) for c in chunks for s in hidden.read(c) if s != "data: [DONE]\n\n"]
+    assert not any("prompt_token_ids" in d or any("token_ids" in ch for ch in d["choices"]) for d in seen)
+    assert [d["choices"][0]["delta"] for d in seen] == [{"role": "assistant"}, {"content": "a"}, {"content": "b"}]
+    for tr in (kept, hidden):
+        r = tr.record(Req(), "m", {})
+        assert (r["prompt_ids"], r["answer_ids"], r["finish_reason"]) == ([5, 6], [9, 10, 11], "length")
+    failed = TokenTrail(keep=False)
+    failed.read([sse({"error": {"message": "boom"}})])
+    assert failed.record(Req(), "m", {}) is None
+    assert TokenTrail(keep=False).record(Req(), "m", {}) is None  # nothing came back
+
+    class Base:  # what LLMServer.chat gives: an async stream of responses
+        async def chat(self, request, raw_request_info=None):
+            async def stream():
+                yield whole if request.return_token_ids else Resp(choices=[Choice(finish_reason="stop")])
+            return stream()
+
+    class Server(CapturingServer, Base):
+        pass
+
+    async def answer(server, request):
+        return [x async for x in await server.chat(request)]
+
+    class Offered:
+        def __init__(self):
+            self.records = []
+
+        def offer(self, record):
+            self.records.append(record)
+
+    server = Server()
+    server._start_capture(None, "m", "r", {})
+    plain = Req(return_token_ids=None)
+    asyncio.run(answer(server, plain))
+    assert plain.return_token_ids is None  # capture off: the request goes through untouched
+    server._capture = Offered()
+    whole = Resp(prompt_token_ids=[1, 2], choices=[Choice(finish_reason="stop", token_ids=[4])])
+    got = asyncio.run(answer(server, Req(return_token_ids=None)))
+    assert got[0].prompt_token_ids is None and server._capture.records[0]["answer_ids"] == [4]
+    asyncio.run(answer(server, Req(return_token_ids=None, store=False)))
+    assert len(server._capture.records) == 1  # "store": false: not asked for ids, not captured
+
+    cfg = load_config({"backend": "vllm", "capture": {"uri": "/tmp/captured", "rate": 0.5}})
+    extra = vllm_llm_config(cfg, "/t", None)["experimental_configs"]["dflash"]
+    assert extra["capture"]["uri"] == "/tmp/captured" and extra["capture"]["rate"] == 0.5
+    assert extra["served_model"] == cfg.served_model_name
+    assert vllm_llm_config(load_config({"backend": "vllm"}), "/t", None)["experimental_configs"]["dflash"]["capture"] \
+        is None  # off by default
 
 
 def test_vllm_replica_stats_from_vllm_counters():

@@ -42,8 +42,8 @@ import torch
 from serve_app.autoscaling import METRIC_ONGOING, METRIC_TAU, METRIC_TPS
 from serve_app.metrics import scrape_totals
 from harness.demo_console import interruptible
-from serve_helpers import (FAST_METRICS, free_port, ingress_fastapi_app, load_until, private_dir, register_drafter,
-                           restore_env, route_statuses, wait_for)
+from serve_helpers import (FAST_METRICS, cache_with_embedded_target, free_port, ingress_fastapi_app, load_until,
+                           private_dir, register_drafter, restore_env, route_statuses, wait_for)
 from specdec.checkpoint import load_drafter, save_drafter
 from specdec.prompts import load_prompts
 from specdec.target import load_target
@@ -112,7 +112,7 @@ def apps():
         register_drafter(uri, NAME, drafter_dir)  # version 1, @champion
         saved = {k: os.environ.get(k) for k in ("DFLASH_API_KEY", "DFLASH_CACHE", *FAST_METRICS)}
         os.environ["DFLASH_API_KEY"] = API_KEY  # replicas inherit the driver's environment
-        os.environ["DFLASH_CACHE"] = str(root / "cache")
+        os.environ["DFLASH_CACHE"] = str(cache_with_embedded_target(root / "cache"))
         os.environ.update(FAST_METRICS)  # the controller and replicas inherit these
         # the machine's own CPUs, as Ray detects them for `serve run` (SCALING says what fits)
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -120,13 +120,14 @@ def apps():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}/spec"
         settings = _settings(f"models:/{NAME}@champion", tracking_uri=uri, registry_poll_s=2, vllm_plain_pool=True,
-                             speculative_max_inflight=2)
+                             speculative_max_inflight=2,
+                             capture={"uri": str(root / "capture"), "flush_s": 0.5, "batch_rows": 8})
         proc = _serve_run(settings, ray.get_runtime_context().gcs_address, root / "serve-run.log")
         try:
             _wait_up(url, AUTH, proc, root / "serve-run.log")
             # the same app built here: the routes its ingress serves (test_key_guards_every_route)
             yield {"url": url, "built": build_app(settings), "target": target, "registry": uri,
-                   "drafter_dir": drafter_dir}
+                   "drafter_dir": drafter_dir, "capture": root / "capture"}
         finally:
             # Ctrl-C first, as a user stops it: `serve run` then shuts the app down itself (after a
             # serve.shutdown() here it waited on a gone controller until killed, 60 s per run)
@@ -335,6 +336,51 @@ def _block_sizes(url: str) -> list[float]:
     assert r.status_code == 200, r.text
     return sorted(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
                   if s.name == "dflash_block_size")
+
+
+def _captured(root: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for f in sorted(root.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def test_capture_keeps_what_the_target_answered_and_the_client_sees_no_difference(apps):
+    """Capture on the vllm backend: a captured request's record holds the prompt's ids after
+    the chat template (ours), the answer's ids (the text the client got), the finish reason, the
+    public model name and the drafter; the client's response carries no token ids it did not ask
+    for, streamed or not; "store": false is never captured; /metrics counts the records."""
+    url, target = apps["url"], apps["target"]
+    asks = {name: [{"role": "user", "content": f"Capture check {name}: name one colour."}]
+            for name in ("whole", "streamed", "private")}
+    r = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+        "model": MODEL, "messages": asks["whole"], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]
+    assert r.json().get("prompt_token_ids") is None and whole.get("token_ids") is None, r.text  # as without capture
+    with requests.post(f"{url}/v1/chat/completions", headers=AUTH, stream=True, timeout=600, json={
+            "model": MODEL, "messages": asks["streamed"], "max_tokens": 12, "temperature": 0, "stream": True}) as s:
+        lines = [line for line in s.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    chunks = [json.loads(x[6:]) for x in lines if x != "data: [DONE]"]
+    assert not any(c.get("prompt_token_ids") or any(ch.get("token_ids") for ch in c["choices"]) for c in chunks)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    private = requests.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=600, json={
+        "model": MODEL, "messages": asks["private"], "max_tokens": 12, "temperature": 0, "store": False})
+    assert private.status_code == 200, private.text
+    prompts = {name: target.encode_chat(m) for name, m in asks.items()}
+    rows = wait_for(lambda: (got := {n: r for r in _captured(apps["capture"]) for n, p in prompts.items()
+                                     if r["prompt_ids"] == p}) and {"whole", "streamed"} <= set(got) and got,
+                    120, what="the two stored requests captured")
+    assert "private" not in rows
+    for name, text, finish in (("whole", whole["message"]["content"], whole["finish_reason"]),
+                               ("streamed", streamed, None)):
+        rec = rows[name]
+        assert target.tokenizer.decode(rec["answer_ids"], skip_special_tokens=True) == text
+        assert rec["model"] == MODEL and rec["drafter_source"] == f"models:/{NAME}@champion"
+        assert rec["drafter_version"] == "1" and rec["max_tokens"] == 12 and rec["temperature"] == 0.0
+        assert rec["finish_reason"] in ("stop", "length") and (finish is None or rec["finish_reason"] == finish)
+    counted = wait_for(lambda: (c := _totals(url)["capture_records_total"]).get("captured", 0) >= 2 and c, 60,
+                       what="captured records on /metrics")
+    assert counted.get("dropped", 0) == 0
 
 
 def _served_versions(url: str) -> list[str] | None:
