@@ -205,3 +205,31 @@ def test_recipe_bench_reads_costs_and_measures_every_kept_checkpoint(assets, tmp
     assert (two["data_hours"], two["samples"], two["response_tokens"]) == (pytest.approx(3.0), 14, 1400)
     assert data_cost(f"{feats},{tmp_path / 'nope'}")["samples"] is None  # one unreadable run: unknown, not half
 
+
+
+def test_adaptation_benchmark_traffic_split_goals_and_app():
+    """jobs/bench_adapt.py's pure parts: the code questions are made offline, the same every
+    time; the held-out ones are never served; the goal's ratios; the app it serves is valid
+    on both backends, with capture on and @champion followed."""
+    from harness.adapt_bench import AdaptBenchConfig, app_settings, code_prompts, format_table, goals, split_prompts
+    from serve_app.config import load_config
+
+    prompts = code_prompts()
+    assert len(prompts) > 500 and prompts == code_prompts()  # enough for the goal's 1,500 requests, in turn
+    assert len({p["id"] for p in prompts}) == len(prompts)
+    assert all("`" in p["messages"][0]["content"] for p in prompts[:50])
+    served, held = split_prompts(prompts, 24)
+    assert len(held) == 24 and len(served) == len(prompts) - 24
+    assert not {p["id"] for p in held} & {p["id"] for p in served}
+    assert split_prompts(list(reversed(prompts)), 24)[1] == sorted(held, key=prompts.index)[::-1]
+    r = lambda tau, s: {"tau": tau, "speedup": s, "exact": True}  # noqa: E731
+    results = {"code (held out)": {"reference": r(1.2, 1.0), "adapted": r(1.6, 1.25)},
+               "sharegpt (held out)": {"reference": r(1.3, 1.1), "adapted": r(1.2, 1.0)}}
+    g = goals(results)
+    assert g["domain_tau"]["met"] and g["domain_speedup"]["met"] and not g["sharegpt_tau"]["met"]
+    assert abs(g["sharegpt_tau"]["ratio"] - 1.2 / 1.3) < 1e-9
+    table = format_table({"results": results, "goals": g, "stage_seconds": {"serving": 60.0}, "total_seconds": 60.0})
+    assert "| code (held out) | adapted | 1.60 | 1.25x | yes |" in table and "| total | 60 |" in table
+    for backend in ("hf", "vllm"):
+        cfg = load_config(app_settings(AdaptBenchConfig(Path("/tmp/b"), backend=backend), "sqlite:///x.db"))
+        assert cfg.capture.uri == "/tmp/b/capture" and cfg.drafter.endswith("@champion")
