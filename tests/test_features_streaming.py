@@ -15,7 +15,7 @@ import yaml
 
 from pipelines import storage
 from pipelines.config import load_features_config
-from pipelines.features import load_manifest, read_features, run_features, verify_features
+from pipelines.features import RunPart, load_manifest, read_features, read_runs, run_features, verify_features
 from pipelines.features.format import CorruptShardError
 
 LAYERS = [0, 1, 2]
@@ -98,6 +98,31 @@ def test_held_out_share_is_written_to_shards_of_its_own(s3_run):
         ends = [g["offset"] + g["length"] for g in groups]
         assert [g["offset"] for g in groups] == [0, *ends[:-1]] and shard["footer"]["offset"] == ends[-1]
         assert shard["footer"]["offset"] + shard["footer"]["length"] == shard["bytes"]
+
+
+def test_runs_read_as_one_are_interleaved_by_progress_and_filtered_by_their_keep(s3_run):
+    """read_runs (several training runs, a replay of the parent's): each run's shards spread over
+    the stream by progress. Run A's training shards (12 and 7 rows: middles at 6/19 and 15.5/19
+    of A) and run B's one shard (its middle at 1/2 of B) come A, B, A, whatever order the read
+    tasks finish in; B's rows are those its keep (a replay share) passes."""
+    import functools
+
+    from pipelines.train.data import keep_replayed, replay_mask
+
+    uri, options, _ = s3_run
+    train_ids = {r["id"] for r in read_features(uri, storage_options=options, split="train").take_all()}
+    held = ["c0", "c10", "c18", "c23", "c4"]
+    kept = sorted(i for i, k in zip(held, replay_mask(held, 0.5)) if k)
+    assert 0 < len(kept) < len(held)  # the keep refuses some rows and passes others
+    ctx = ray.data.DataContext.get_current()
+    before, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+    try:
+        ids = [r["id"] for r in read_runs([RunPart(uri, "train"), RunPart(uri, "holdout", functools.partial(
+            keep_replayed, fraction=0.5))], storage_options=options).take_all()]
+    finally:
+        ctx.execution_options.preserve_order = before
+    assert sorted(ids[12:12 + len(kept)]) == kept
+    assert set(ids[:12]) | set(ids[12 + len(kept):]) == train_ids and len(ids) == len(train_ids) + len(kept)
 
 
 def test_training_starts_after_the_manifest_held_out_shards_and_a_row_group_per_reader(s3_run, s3_reads, work,

@@ -8,7 +8,7 @@ Ray Data actors (``vllm_regen.py`` the vllm backend's) over ``shards.py`` (a sha
 from pipelines.features.manifest import MANIFEST, committed_shards, load_manifest, verify_features
 from pipelines.features.pipeline import check_target_early, run_features
 from pipelines.features.plan import plan_shards
-from pipelines.features.reader import has_holdout_shards, read_features, response_token_counts
+from pipelines.features.reader import RunPart, has_holdout_shards, read_features, read_runs, response_token_counts
 
-__all__ = ["MANIFEST", "check_target_early", "committed_shards", "has_holdout_shards", "load_manifest",
-           "plan_shards", "read_features", "response_token_counts", "run_features", "verify_features"]
+__all__ = ["MANIFEST", "RunPart", "check_target_early", "committed_shards", "has_holdout_shards", "load_manifest",
+           "plan_shards", "read_features", "read_runs", "response_token_counts", "run_features", "verify_features"]

@@ -1,5 +1,5 @@
 """Reading a committed feature run: :func:`read_features` is a ``ray.data.Dataset`` over its
-shards (refusing a manifest made for another target or layers), streamed row group by row
+shards (:func:`read_runs` over several runs' shards, interleaved) (refusing a manifest made for another target or layers), streamed row group by row
 group with each shard's checksum verified as it is read; the token counts of its answers
 (the draft vocabulary) and whether it has held-out shards.
 """
@@ -11,8 +11,9 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,6 +44,17 @@ def _verified_local_file(fs, path: str, entry: dict, verify: bool) -> Iterator[s
         yield local
 
 
+@dataclass(frozen=True)
+class RunPart:
+    """One feature run's share of a read (:func:`read_runs`): the shards written for ``split``
+    (None: all), and of their rows those ``keep`` returns (a picklable ``pa.Table -> pa.Table``
+    row filter, e.g. a hash share; None: every row)."""
+
+    uri: str
+    split: str | None = None
+    keep: Callable[[pa.Table], pa.Table] | None = None
+
+
 def read_features(uri: str, *, target_identity: str | None = None, layer_ids: list[int] | None = None,
                   hidden_size: int | None = None, tokenizer_hash: str | None = None,
                   storage_options: dict | None = None, verify_checksums: bool = True,
@@ -61,23 +73,50 @@ def read_features(uri: str, *, target_identity: str | None = None, layer_ids: li
     range (with ``verify_checksums``) before a row of it is used, so memory is one row
     group and the first rows arrive after reading the footer and one row group.
     """
+    return read_runs([RunPart(uri, split)], target_identity=target_identity, layer_ids=layer_ids,
+                     hidden_size=hidden_size, tokenizer_hash=tokenizer_hash, storage_options=storage_options,
+                     verify_checksums=verify_checksums)
+
+
+def read_runs(parts: list[RunPart], *, storage_options: dict | None = None, verify_checksums: bool = True,
+              **expect):
+    """One dataset over several runs (each checked as :func:`read_features` checks one), their
+    shards interleaved by progress: each run's shards spread evenly over the stream in
+    proportion to its rows, so any stretch of it (a tenth of an epoch) holds about the same
+    share of every run. A replay of a parent's data thus mixes into every part of an epoch;
+    ``Dataset.union`` would hand out whichever input's blocks come first."""
     import ray.data
 
-    uri = storage.absolute_uri(uri)
-    options = storage.resolve_options(uri, storage_options)
-    manifest = load_manifest(uri, options)
-    check_manifest(manifest, uri, target_identity=target_identity, layer_ids=layer_ids, hidden_size=hidden_size,
-                   tokenizer_hash=tokenizer_hash)
-    entries = [{"entry": json.dumps(e)} for e in manifest["shards"] if split is None or shard_split(e) == split]
-    if not entries:
-        raise ValueError(f"the feature run at {uri} has no {split} shards (see features.storage.holdout_fraction)")
-    ds = ray.data.from_items(entries, override_num_blocks=len(entries))
+    sources, ranked = [], []
+    for i, part in enumerate(parts):
+        uri = storage.absolute_uri(part.uri)
+        options = storage.resolve_options(uri, storage_options)
+        manifest = load_manifest(uri, options)
+        check_manifest(manifest, uri, **expect)
+        shards = [e for e in manifest["shards"] if part.split is None or shard_split(e) == part.split]
+        if not shards:
+            raise ValueError(f"the feature run at {uri} has no {part.split} shards "
+                             "(see features.storage.holdout_fraction)")
+        sources.append((uri, options, part.keep))
+        ranked += [(position, i, json.dumps(e)) for position, e in zip(_midpoints([e["rows"] for e in shards]), shards)]
+    ranked.sort(key=lambda r: r[:2])
+    items = [{"entry": entry, "source": i} for _, i, entry in ranked]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds = ds.map_batches(_read_shards, batch_size=1, batch_format="pyarrow",
-                        fn_kwargs={"uri": uri, "options": options, "verify": verify_checksums})
+                        fn_kwargs={"sources": sources, "verify": verify_checksums})
     # each yielded part leaves the task as its own block: Ray Data would otherwise gather
     # parts up to 128 MB (a whole small shard) before the first row reaches a consumer
     ds.context.target_max_block_size = 1
     return ds
+
+
+def _midpoints(rows: list[int]) -> list[float]:
+    """Where each shard's middle row falls in its run, from 0 to 1 (the interleaving key)."""
+    total, done, out = max(1, sum(rows)), 0, []
+    for n in rows:
+        out.append((done + n / 2) / total)
+        done += n
+    return out
 
 
 def shard_split(entry: dict) -> str:
@@ -85,20 +124,29 @@ def shard_split(entry: dict) -> str:
     return entry.get("split", "train")
 
 
-def _read_shards(entries: pa.Table, uri: str, options: dict, verify: bool):
-    """Yield the rows of each listed shard in small batches, each part checked first."""
+def _read_shards(items: pa.Table, sources: list[tuple], verify: bool):
+    """Yield the rows of each listed shard in small batches, each part checked first, then
+    filtered by its run's ``keep``."""
+    for entry, i in zip(map(json.loads, items.column("entry").to_pylist()), items.column("source").to_pylist()):
+        uri, options, keep = sources[i]
+        for table in _shard_rows(uri, options, entry, verify):
+            table = keep(table) if keep is not None else table
+            if table.num_rows:
+                yield table
+
+
+def _shard_rows(uri: str, options: dict, entry: dict, verify: bool) -> Iterator[pa.Table]:
     fs, root = storage.filesystem(uri, options)
-    for entry in map(json.loads, entries.column("entry").to_pylist()):
-        path = storage.join(root, entry["path"])
-        if "row_groups" in entry:
-            yield from stream_shard(fs, path, entry, verify)
-            continue
-        with _verified_local_file(fs, path, entry, verify) as local:
-            shard = pq.ParquetFile(local)
-            if shard.metadata.num_rows != entry["rows"]:
-                raise CorruptShardError(entry["path"], f"{shard.metadata.num_rows} rows, manifest says {entry['rows']}")
-            for batch in shard.iter_batches(batch_size=_READ_ROWS):
-                yield pa.Table.from_batches([batch])
+    path = storage.join(root, entry["path"])
+    if "row_groups" in entry:
+        yield from stream_shard(fs, path, entry, verify)
+        return
+    with _verified_local_file(fs, path, entry, verify) as local:
+        shard = pq.ParquetFile(local)
+        if shard.metadata.num_rows != entry["rows"]:
+            raise CorruptShardError(entry["path"], f"{shard.metadata.num_rows} rows, manifest says {entry['rows']}")
+        for batch in shard.iter_batches(batch_size=_READ_ROWS):
+            yield pa.Table.from_batches([batch])
 
 
 def stream_shard(fs, path: str, entry: dict, verify: bool = True, columns: list[str] | None = None):

@@ -48,14 +48,15 @@ def keep_replayed(table: pa.Table, fraction: float) -> pa.Table:
     return table.filter(pa.array(replay_mask(table.column("id").to_pylist(), fraction)))
 
 
-def _keep_split(table: pa.Table, fraction: float, holdout: bool) -> pa.Table:
+def keep_split(table: pa.Table, fraction: float, holdout: bool) -> pa.Table:
+    """The held-out (``holdout=True``) or training rows of ``table``, by a hash of their ids."""
     mask = holdout_mask(table.column("id").to_pylist(), fraction)
     return table.filter(pa.array(mask if holdout else ~mask))
 
 
 def split_holdout(ds, fraction: float, holdout: bool):
     """The held-out (``holdout=True``) or training rows of ``ds``."""
-    return ds.map_batches(_keep_split, batch_format="pyarrow", batch_size=None,
+    return ds.map_batches(keep_split, batch_format="pyarrow", batch_size=None,
                           fn_kwargs={"fraction": fraction, "holdout": holdout})
 
 

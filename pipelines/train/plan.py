@@ -11,6 +11,7 @@ steps' checks (a resumed run's drafter shape, the feature runs' layouts) sit bes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import torch
 from pipelines import registry, storage
 from pipelines.config import ConfigError
 from pipelines.train.config import TrainRecipe
-from pipelines.train.data import keep_replayed, manifest_sha256, read_sequences, replay_fraction, split_holdout
+from pipelines.train.data import (keep_replayed, keep_split, manifest_sha256, read_sequences, replay_fraction,
+                                  split_holdout)
 from pipelines.train.heldout import HeldOut, held_out_blocks
 from pipelines.train.longalign_rows import longalign_rows
 from pipelines.train.runner import TrainState, latest_checkpoint_state
@@ -78,11 +80,8 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
     cfg, resume, resume_cfg = _drafter_config(recipe, target, layer_ids, run_uri)
     drafter, parent = _initial_drafter(recipe, cfg, target, tracking_uri)
     init_state = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
-    datasets, train_rows = _datasets(recipe, target, tok_hash, layer_ids, manifests, options, sequences)
-    replay = _replay(recipe, datasets, train_rows, layout, {"target_identity": target.identity, "tokenizer_hash": tok_hash,
-                                                            "layer_ids": list(layer_ids),
-                                                            "hidden_size": target.hidden_size}, options)
-    train_rows += replay.get("replay_rows", 0)
+    datasets, train_rows, replay = _datasets(recipe, target, tok_hash, layer_ids, manifests, options, sequences,
+                                             layout)
     _choose_draft_vocab(recipe, drafter, target, manifests, options, datasets["train"])
     if tc.streamed:  # from token rows to rows with features, computed by target actors of their own
         datasets = stream_datasets(recipe, datasets, dataclasses.asdict(spec) | {"identity": target.identity},
@@ -110,18 +109,18 @@ def prepare(recipe: TrainRecipe) -> RunPlan:
                    storage_options=tc.storage_options, resume=resume, mlflow_live=_mlflow_live(tracking_uri))
 
 
-def _replay(recipe: TrainRecipe, datasets: dict, new_rows: int, layout, expect: dict, options: dict) -> dict:
+def _replay(recipe: TrainRecipe, new_rows: int, layout, options: dict) -> tuple[list, dict]:
     """``train.replay``: a share of the parent's training rows (by a hash of their ids; never
-    their held-out shards) added to ``datasets["train"]``, after the held-out rows were chosen
-    from the new runs. Returns the lineage fields ({} without a replay)."""
-    from pipelines.features import has_holdout_shards, load_manifest, read_features
+    their held-out shards), as parts read beside the new runs'. Returns (parts, lineage fields);
+    ([], {}) without a replay."""
+    from pipelines.features import RunPart, has_holdout_shards, load_manifest
     from pipelines.features.format import FeatureLayout
 
     rp = recipe.train.replay
     if not rp.uris:
-        return {}
-    parts, rows = [], 0
-    for uri in map(storage.absolute_uri, rp.uris):
+        return [], {}
+    uris, splits, rows = list(map(storage.absolute_uri, rp.uris)), [], 0
+    for uri in uris:
         try:
             m = load_manifest(uri, options)
         except FileNotFoundError as e:
@@ -131,19 +130,14 @@ def _replay(recipe: TrainRecipe, datasets: dict, new_rows: int, layout, expect: 
                               f"but the training runs store {layout}; a replay needs the same layers and layout")
         held = has_holdout_shards(m)
         rows += m["num_samples"] - (m.get("holdout", {}).get("num_samples", 0) if held else 0)
-        parts.append(read_features(uri, storage_options=options, split="train" if held else None, **expect))
+        splits.append("train" if held else None)
     fraction = replay_fraction(new_rows, rows, rp.share)
-    first, *rest = parts
-    replayed = (first.union(*rest) if rest else first).map_batches(
-        keep_replayed, batch_format="pyarrow", batch_size=None, fn_kwargs={"fraction": fraction})
-    # after the new rows in each epoch's stream (the workers' shuffle buffer mixes them locally):
-    # a global shuffle would read every row before the first step
-    datasets["train"] = datasets["train"].union(replayed)
-    log.info("replaying %.1f%% of %d rows of %s beside %d new rows (train.replay.share %.2f)", 100 * fraction, rows,
+    parts = [RunPart(uri, split, functools.partial(keep_replayed, fraction=fraction)) for uri, split in zip(uris, splits)]
+    log.info("replaying %.1f%% of %d rows of %s among %d new rows (train.replay.share %.2f)", 100 * fraction, rows,
              ", ".join(rp.uris), new_rows, rp.share)
-    return {"replay_features_uri": ",".join(map(storage.absolute_uri, rp.uris)),
-            "replay_manifest_sha256": _manifests_sha256(list(map(storage.absolute_uri, rp.uris)), options),
-            "replay_share": rp.share, "replay_fraction": round(fraction, 6), "replay_rows": int(round(fraction * rows))}
+    return parts, {"replay_features_uri": ",".join(uris), "replay_manifest_sha256": _manifests_sha256(uris, options),
+                   "replay_share": rp.share, "replay_fraction": round(fraction, 6),
+                   "replay_rows": int(round(fraction * rows))}
 
 
 def _load_manifests(recipe: TrainRecipe, options: dict, sequences: str | None) -> dict:
@@ -367,62 +361,62 @@ def _layer_ids(recipe: TrainRecipe, target, manifest: dict | None, manifest_uri:
     return layer_ids
 
 
-def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict, options, sequences=None):
-    """({"train": streamed rows, "holdout": materialised rows}, training rows estimate).
-    Feature runs are checked against the target (identity, tokenizer; layers and width
-    unless the features are computed online); several runs are read as one."""
-    from pipelines.features import has_holdout_shards, read_features
+def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict, options, sequences=None,
+              layout=None) -> tuple[dict, int, dict]:
+    """({"train": streamed rows, "holdout": materialised rows}, training rows, replay lineage).
+    Feature runs are checked against the target (identity, tokenizer; layers and width unless
+    the features are computed online); several runs, and a replay of the parent's
+    (``train.replay``), are read as one stream with their shards interleaved."""
+    from pipelines.features import RunPart, has_holdout_shards, read_runs
 
     tc = recipe.train
     expect = {"target_identity": target.identity, "tokenizer_hash": tok_hash}
     if not tc.from_target:
         expect.update(layer_ids=list(layer_ids), hidden_size=target.hidden_size)
 
-    # runs that wrote held-out shards (features.storage.holdout_fraction) never train on them
-    held = [uri for uri, m in manifests.items() if has_holdout_shards(m)]
-
-    def feature_run(uri, split=None):
-        if split is None and uri in held:
-            split = "train"
-        ds = read_features(storage.absolute_uri(uri), storage_options=options, split=split, **expect)
+    def read(parts: list) -> object:
+        ds = read_runs(parts, storage_options=options, **expect)
         return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.from_target else ds
 
-    def source(uri, field_name):
-        if tc.from_target and sequences:
-            return read_sequences(uri, tc.storage_options or options, field_name)
-        return feature_run(uri)
-
-    if tc.from_target and sequences:
-        train_ds = source(sequences, "train.longalign" if tc.longalign else "train.sequences")
-    else:
-        first, *rest = [feature_run(uri) for uri in manifests]
-        train_ds = first.union(*rest) if rest else first
+    # runs that wrote held-out shards (features.storage.holdout_fraction) never train on them
+    held = [uri for uri, m in manifests.items() if has_holdout_shards(m)]
+    on_sequences = tc.from_target and sequences
+    runs = [] if on_sequences else [RunPart(storage.absolute_uri(u), "train" if u in held else None) for u in manifests]
+    train_ds = read_sequences(sequences, tc.storage_options or options,
+                              "train.longalign" if tc.longalign else "train.sequences") if on_sequences else None
     if tc.holdout:
-        holdout_ds = source(tc.holdout, "train.holdout")
-    elif held and not (tc.from_target and sequences):
+        holdout_ds = (read_sequences(tc.holdout, tc.storage_options or options, "train.holdout") if on_sequences
+                      else read([RunPart(storage.absolute_uri(tc.holdout))]))
+    elif held and not on_sequences:
         log.info("evaluating on the held-out shards of %s (train.holdout_fraction is not used)", ", ".join(held))
-        first, *rest = [feature_run(uri, "holdout") for uri in held]
-        holdout_ds = first.union(*rest) if rest else first
-    elif tc.holdout_fraction > 0:
+        holdout_ds = read([RunPart(storage.absolute_uri(u), "holdout") for u in held])
+    elif tc.holdout_fraction > 0 and on_sequences:
         holdout_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=True)
         train_ds = split_holdout(train_ds, tc.holdout_fraction, holdout=False)
+    elif tc.holdout_fraction > 0:
+        def share(holdout: bool) -> list:
+            keep = functools.partial(keep_split, fraction=tc.holdout_fraction, holdout=holdout)
+            return [dataclasses.replace(p, keep=keep) for p in runs]
+        holdout_ds, runs = read(share(True)), share(False)
     else:
         raise ConfigError("train.holdout_fraction: evaluation needs held-out rows; set a fraction > 0 or "
                           "train.holdout")
-    for ds in (train_ds, holdout_ds):  # workers print their own progress lines
-        ds.context.enable_progress_bars = False
+    holdout_ds.context.enable_progress_bars = False  # workers print their own progress lines
     holdout_ds = holdout_ds.limit(tc.eval_samples).materialize()
     holdout_ds.context.enable_progress_bars = False
     if holdout_ds.count() == 0:
         raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
                           "train.holdout")
-    if manifests and not (tc.from_target and sequences):
+    if on_sequences:
+        train_rows, replayed, replay = train_ds.count(), [], {}
+    else:
         samples = sum(m["num_samples"] for m in manifests.values())
         held_rows = sum(m.get("holdout", {}).get("num_samples", 0) for m in manifests.values())
         train_rows = int(samples - held_rows if held else samples * (1 if tc.holdout else 1 - tc.holdout_fraction))
-    else:
-        train_rows = train_ds.count()
-    return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows)
+        replayed, replay = _replay(recipe, max(1, train_rows), layout, options)
+        train_ds = read(runs + replayed)
+    train_ds.context.enable_progress_bars = False
+    return {"train": train_ds, "holdout": holdout_ds}, max(1, train_rows) + replay.get("replay_rows", 0), replay
 
 
 def _check_same_drafter(saved: dict, cfg, run_name: str, run_uri: str) -> None:
