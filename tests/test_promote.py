@@ -342,7 +342,11 @@ def test_held_out_captured_traffic_is_a_prompt_set(work, target, target_dir, cap
     base = ["--tracking-uri", db, "--model", MODEL, "--prompts", f"captured:{work}/traffic", "--captured-holdout",
             "0.25", "--max-new-tokens", "16"]
     code, out, err = run_job(capsys, *base, "--num-prompts", "2", "--challenger", v1)
-    assert code == 0 and "PROMOTED" in out, err  # the copy-anchor drafter beats the target alone
+    # promoted or not is the rule's verdict on the speed this machine measured (the copy-anchor
+    # drafter lost to the target alone on a loaded hour: 0.895x); what is tested is the set measured
+    t = tags(db, MODEL, v1)
+    assert t["eval.exact"] == "true" and float(t["eval.tau"]) > 1.5, (out, err)
+    assert code == (0 if float(t["eval.speedup"]) >= 1.02 else 1) and ("PROMOTED" in out) == (code == 0), (out, err)
     assert len(seen) == 2 and all(held[i] == p for i, p in seen.items())  # held-out prompts, as served
     assert tags(db, MODEL, v1)["eval.prompts"] == f"captured:{work}/traffic"
     v2 = register(db, MODEL, copy_anchor_drafter(target), target, target_dir, "traffic-b")
