@@ -1,7 +1,8 @@
-"""Reading a committed feature run: :func:`read_features` is a ``ray.data.Dataset`` over its
-shards (:func:`read_runs` over several runs' shards, interleaved) (refusing a manifest made for another target or layers), streamed row group by row
-group with each shard's checksum verified as it is read; the token counts of its answers
-(the draft vocabulary) and whether it has held-out shards.
+"""Reading committed feature runs: :func:`read_features` is a ``ray.data.Dataset`` over one
+run's shards and :func:`read_runs` over several runs' shards, interleaved (refusing a manifest
+made for another target or layers), streamed row group by row group with each shard's checksum
+verified as it is read; the token counts of its answers (the draft vocabulary) and whether it
+has held-out shards.
 """
 
 from __future__ import annotations

@@ -374,7 +374,7 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict,
     if not tc.from_target:
         expect.update(layer_ids=list(layer_ids), hidden_size=target.hidden_size)
 
-    def read(parts: list) -> object:
+    def read(parts: list):
         ds = read_runs(parts, storage_options=options, **expect)
         return ds.select_columns(["id", "input_ids", "loss_mask"]) if tc.from_target else ds
 
