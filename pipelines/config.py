@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from specdec.sampling import MAX_TEMPERATURE
+from specdec.temperature import MAX_TEMPERATURE
 
 
 class ConfigError(ValueError):
@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
-TEMPERATURE = (lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")  # the rule: specdec/sampling.py
+TEMPERATURE = (lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")  # the rule: specdec/temperature.py
 PROBABILITY = (lambda v: 0 < v <= 1, "in (0, 1]")
 
 

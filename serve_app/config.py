@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec.target import target_slug
+from specdec.assets import target_slug
 
 
 class CaptureSettings(BaseModel):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.sampling import API_DEFAULT_TEMPERATURE, check_temperature
+from specdec.temperature import API_DEFAULT_TEMPERATURE, check_temperature
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4

@@ -3,12 +3,15 @@
 ``manifest.py`` commits and verifies it, ``reader.py`` reads it back; ``workers.py`` holds the
 Ray Data actors (``vllm_regen.py`` the vllm backend's) over ``shards.py`` (a shard's rows),
 ``target_pass.py`` (the target's teacher-forced pass) and ``writer.py`` (a shard's files);
-``format.py`` is the shard format other tools read (its benchmark: ``harness/features_bench.py``)."""
+``format.py`` is the shard format other tools read (its benchmark: ``harness/features_bench.py``).
 
-from pipelines.features.manifest import MANIFEST, committed_shards, load_manifest, verify_features
-from pipelines.features.pipeline import check_target_early, run_features
-from pipelines.features.plan import plan_shards
-from pipelines.features.reader import RunPart, has_holdout_shards, read_features, read_runs, response_token_counts
+The names below load on first use (pipelines/lazy.py says why)."""
 
-__all__ = ["MANIFEST", "RunPart", "check_target_early", "committed_shards", "has_holdout_shards", "load_manifest",
-           "plan_shards", "read_features", "read_runs", "response_token_counts", "run_features", "verify_features"]
+from pipelines.lazy import lazy_exports
+
+_NAMES = {"MANIFEST": "manifest", "committed_shards": "manifest", "load_manifest": "manifest",
+          "verify_features": "manifest", "check_target_early": "pipeline", "run_features": "pipeline",
+          "plan_shards": "plan", "RunPart": "reader", "has_holdout_shards": "reader", "read_features": "reader",
+          "read_runs": "reader", "response_token_counts": "reader"}
+__all__ = sorted(_NAMES)
+__getattr__ = lazy_exports(__name__, _NAMES)

@@ -42,10 +42,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made, not above: Ray Data's read tasks import this module
+# for the manifest checks, and torch costs each of their processes a second of CPU.
 
 FORMAT = "dflash-features"
 SCHEMA_VERSION = 2  # 2: per-row-group digests and held-out shards in the manifest
@@ -123,6 +129,8 @@ class FeatureLayout:
         """(features, scales) bytes per row of right-padded (B, T, feature_dim) features.
         The conversion runs where ``feats`` live (GPU or CPU); only the stored width crosses
         to host memory."""
+        import torch
+
         if feats.dim() != 3 or feats.shape[-1] != self.feature_dim:
             raise ValueError(f"expected features of shape (B, T, {self.feature_dim}), got {tuple(feats.shape)}")
         B, T, _ = feats.shape
@@ -144,8 +152,11 @@ class FeatureLayout:
                 for b, n in enumerate(lengths)]
 
     def decode(self, features: bytes, scales: bytes | None, num_tokens: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (num_tokens, feature_dim) features of one row, as ``dtype``."""
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The (num_tokens, feature_dim) features of one row, as ``dtype`` (float32 if None)."""
+        import torch
+
+        dtype = dtype or torch.float32
         shape = (int(num_tokens), self.feature_dim)
         if self.dtype == "int8":
             # the buffers are read-only; copies keep torch from aliasing them (int8 is small)
@@ -162,6 +173,8 @@ class FeatureLayout:
                        lengths: list[int]) -> list[tuple[bytes, bytes]]:
         """(teacher_ids, teacher_logprobs) bytes per row of right-padded (B, T, K) top-K
         next-token ids and log-probs (see ``Target.topk_logprobs``)."""
+        import torch
+
         if ids.shape != logprobs.shape or ids.dim() != 3 or ids.shape[-1] != self.teacher_topk:
             raise ValueError(f"expected teacher ids and log-probs of shape (B, T, {self.teacher_topk}), "
                              f"got {tuple(ids.shape)} and {tuple(logprobs.shape)}")
@@ -172,15 +185,19 @@ class FeatureLayout:
 
     def decode_teacher(self, ids: bytes, logprobs: bytes, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (num_tokens, K) teacher ids (long) and log-probs (float32) of one row."""
+        import torch
+
         shape = (int(num_tokens), self.teacher_topk)
         i = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).reshape(shape).astype(np.int64))
         lp = torch.from_numpy(np.frombuffer(logprobs, dtype=np.float16).reshape(shape).astype(np.float32))
         return i, lp
 
-    def decode_row(self, row: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    def decode_row(self, row: dict, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A stored row as tensors: ``input_ids`` (T,) long, ``loss_mask`` (T,) bool,
         ``features`` (T, n_layers * hidden) in ``dtype``; with teacher log-probs also
         ``teacher_ids`` (T, K) long and ``teacher_logprobs`` (T, K) float32."""
+        import torch
+
         n = int(row["num_tokens"])
         out = {
             "input_ids": torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64)),
@@ -196,6 +213,8 @@ class FeatureLayout:
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 over the last dim: (q int8, scale float32 with last dim 1).
     Since |x / scale| <= 127 nothing clips, so |x - q * scale| <= scale / 2 = absmax / 254."""
+    import torch
+
     x = x.to(torch.float32)
     scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero slice: any scale works
@@ -204,6 +223,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return q.to(torch.float32) * scale.to(torch.float32)
 
 

@@ -15,14 +15,17 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from pipelines import storage
 from pipelines.features.format import CorruptShardError, check_manifest
 from pipelines.features.manifest import check_digest, load_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 _READ_ROWS = 8  # rows per block the reader yields: features make rows large (MBs each)
 
@@ -248,6 +251,8 @@ def response_token_counts(uri: str, storage_options: dict | None, vocab_size: in
     """Response-token frequencies (V,) of a committed run's training rows, reading only
     the token columns: held-out shards never count, nor (in runs without them) the rows
     that ``holdout_fraction`` holds out by id hash."""
+    import torch  # here: Ray Data's read tasks import this module and need no torch
+
     from pipelines.train.data import holdout_mask
     from specdec.draft_vocab import count_tokens
 

@@ -4,10 +4,13 @@
 ``metrics.py`` its held-out evaluation and training statistics, ``export.py`` the export
 and registration of the best drafter, ``config.py`` the recipe sections, ``data.py``
 batches from stored or online features, ``runner.py`` the DDP/DeepSpeed step and
-checkpoints, ``curves.py`` learning curves."""
+checkpoints, ``curves.py`` learning curves.
 
-from pipelines.train.trainer import fit
-from pipelines.train.worker import lr_at, train_loop_per_worker
-from pipelines.train.runner import CHECKPOINT_PREFIX, latest_checkpoint_state
+The names below load on first use (pipelines/lazy.py says why)."""
 
-__all__ = ["CHECKPOINT_PREFIX", "fit", "latest_checkpoint_state", "lr_at", "train_loop_per_worker"]
+from pipelines.lazy import lazy_exports
+
+_NAMES = {"fit": "trainer", "lr_at": "worker", "train_loop_per_worker": "worker", "CHECKPOINT_PREFIX": "runner",
+          "latest_checkpoint_state": "runner"}
+__all__ = sorted(_NAMES)
+__getattr__ = lazy_exports(__name__, _NAMES)

@@ -11,14 +11,17 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from pipelines import storage
 from pipelines.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SEQUENCE_COLUMNS = ["id", "input_ids", "loss_mask"]
 
@@ -173,6 +176,8 @@ def simulated_padding(lengths: Sequence[int], batch_size: int, shuffle_buffer: i
 
 
 # ---------------------------------------------------------------------------- worker side
+# torch is imported here, not at the top: Ray Data's read tasks import this module for
+# keep_split and _normalize_sequences, and torch costs each of their processes a second of CPU.
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, T) long, right-padded with 0
@@ -205,14 +210,18 @@ class Collate:
     """A pyarrow batch of stored rows -> a padded :class:`Batch` (sequences cut to
     ``max_length``; features decoded from their stored bytes to ``dtype``)."""
 
-    def __init__(self, layout: dict | None, max_length: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, layout: dict | None, max_length: int, dtype: torch.dtype | None = None):
+        import torch
+
         from pipelines.features.format import FeatureLayout
 
         self.layout = FeatureLayout.from_manifest(layout) if layout else None
         self.max_length = max_length
-        self.dtype = dtype
+        self.dtype = dtype or torch.float32
 
     def __call__(self, table: pa.Table) -> Batch:
+        import torch
+
         rows = table.to_pylist()
         lens = [min(len(r["input_ids"]), self.max_length) for r in rows]
         B, T = len(rows), max(lens)
