@@ -472,3 +472,20 @@ def test_teacher_logprobs_are_the_target_law_of_the_teacher_forced_pass(tiny_dir
                                        "storage": {"teacher_topk": 8}}, "features")
     with pytest.raises(ConfigError, match=r"features\.storage\.teacher_topk: expected int in \[0, 256\]"):
         parse_section(FeaturesConfig, {"output": "x", "storage": {"teacher_topk": -1}}, "features")
+
+
+def test_what_ray_data_read_tasks_import_loads_no_torch_nor_the_trainer():
+    """Ray Data's read tasks and Ray Train's dataset actors import the modules whose functions
+    they run (the readers, the split and replay filters) and their packages: none of it may pull
+    in torch, Ray Train, DeepSpeed, MLflow or transformers, seconds of CPU in every such process
+    (pipelines/lazy.py). The public names still load on first use."""
+    import subprocess
+
+    heavy = ["torch", "ray.train", "deepspeed", "mlflow", "transformers"]
+    code = ("import sys; import pipelines.features.reader, pipelines.train.data, pipelines.config, serve_app.config; "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules)); "
+            "from pipelines.train import fit; from pipelines.features import read_runs, run_features; "
+            "print(callable(fit) and callable(read_runs) and callable(run_features))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "True"], out.stdout

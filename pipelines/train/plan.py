@@ -408,7 +408,7 @@ def _datasets(recipe: TrainRecipe, target, tok_hash, layer_ids, manifests: dict,
         raise ConfigError("train.holdout_fraction: no sequence falls in the held-out share; raise it or set "
                           "train.holdout")
     if on_sequences:
-        train_rows, replayed, replay = train_ds.count(), [], {}
+        train_rows, replay = train_ds.count(), {}
     else:
         samples = sum(m["num_samples"] for m in manifests.values())
         held_rows = sum(m.get("holdout", {}).get("num_samples", 0) for m in manifests.values())
