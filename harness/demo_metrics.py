@@ -26,7 +26,8 @@ def app_metrics(url: str) -> dict:
     t = scrape_totals(text)
     return {k: t.get(name, 0.0) for k, name in _TOTALS.items()} | {
         "draft_tokens": t["draft_tokens_total"], "accepted_draft_tokens": t["accepted_draft_tokens_total"],
-        "drafter": t["drafter_info"]}
+        # an app serving the target alone labels its drafter gauge with empty strings: no drafter
+        "drafter": t["drafter_info"] if t["drafter_info"] and any(t["drafter_info"].values()) else None}
 
 
 def settled_metrics(url: str, tokens: float, timeout: float = 60.0) -> dict:

@@ -94,6 +94,19 @@ def test_config_errors_name_the_field():
         D.DemoConfig(sets=["train.lr"])
 
 
+def test_the_summary_names_no_drafter_for_an_app_serving_the_target_alone(monkeypatch):
+    """With no @champion the speculative app serves the target alone; its drafter gauge has
+    empty labels, and the summary says None (as the registry does), not empty strings."""
+    from harness import demo_metrics as M
+
+    page = 'dflash_generated_tokens_total 32.0\ndflash_drafter_info{{source="{s}",version="{v}"}} 1.0\n'
+    for (src, version), want in {("", ""): None, ("models:/d@champion", "2"): {"source": "models:/d@champion",
+                                                                              "version": "2"}}.items():
+        monkeypatch.setattr(M, "http_get", lambda url, timeout: (200, page.format(s=src, v=version)))
+        got = M.app_metrics("http://x")
+        assert got["drafter"] == want and got["tokens"] == 32.0
+
+
 # ------------------------------------------------------------------------------ end to end
 def _verdict(rec: dict) -> bool:
     """The promotion rule's verdict on the evaluations a promotion job recorded (demo summary)."""
