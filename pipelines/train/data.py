@@ -176,8 +176,8 @@ def simulated_padding(lengths: Sequence[int], batch_size: int, shuffle_buffer: i
 
 
 # ---------------------------------------------------------------------------- worker side
-# torch is imported here, not at the top: Ray Data's read tasks import this module for
-# keep_split and _normalize_sequences, and torch costs each of their processes a second of CPU.
+# Collate imports torch in its methods, not at the top: Ray Data's read tasks import this module
+# for keep_split and _normalize_sequences, and torch costs each of their processes a second of CPU.
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, T) long, right-padded with 0
